@@ -1,0 +1,286 @@
+"""The reference Clover model: one step over per-row causal rows then a block (MODEL.md 4-5).
+
+Parameters are named exactly like the checkpoint's canonical tensors, so a
+state dict loads as is and a traced graph references weights by checkpoint
+name. The three cores are looked up in `model.cores`; the exporter swaps in
+custom ops from outside, the model never knows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clover_export import names
+from clover_export.config import CloverConfig
+from clover_export.model.attention import attention_core
+from clover_export.model.functional import apply_partial_rope, gated_rms_norm, rms_norm, rope_cos_sin
+from clover_export.model.gdn import gdn_core
+from clover_export.model.moe import moe_core
+
+
+@dataclass
+class Cores:
+    gdn: Callable = gdn_core
+    attention: Callable = attention_core
+    moe: Callable = moe_core
+
+
+class Weight(nn.Module):
+    """A module holding one `.weight`, so parameter names match the checkpoint."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+
+
+def linear(i: int, o: int) -> nn.Linear:
+    return nn.Linear(i, o, bias=False)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [B, T]
+    n_causal: torch.Tensor  # [B]
+    has_block: torch.Tensor  # [B]
+    slot_ids: torch.Tensor  # [B]
+    past_len: torch.Tensor  # [B]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        D, C, K, Hv = cfg.hidden_size, cfg.conv_dim, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads
+        self.cfg = cfg
+        self.in_proj_qkv = linear(D, C)
+        self.in_proj_z = linear(D, cfg.value_dim)
+        self.in_proj_b = linear(D, Hv)
+        self.in_proj_a = linear(D, Hv)
+        self.conv1d = Weight(C, 1, K)
+        self.A_log = nn.Parameter(torch.empty(Hv))
+        self.dt_bias = nn.Parameter(torch.empty(Hv))
+        self.norm = Weight(cfg.linear_value_head_dim)
+        self.out_proj = linear(cfg.value_dim, D)
+        # [assumed] block-mixer tensors (MODEL.md 3, 5.2)
+        self.conv1d_right = Weight(C, 1, K)
+        self.block_softmax_scale = nn.Parameter(torch.empty(Hv))
+        self.block_softmax_gate = nn.Parameter(torch.empty(Hv))
+
+    def forward(self, x, conv_pool, rec_pool, step: StepInputs, block_size: int, cores: Cores):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        o, conv_pool, rec_pool = cores.gdn(
+            self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x),
+            self.conv1d.weight.squeeze(1), self.conv1d_right.weight.squeeze(1),
+            self.A_log, self.dt_bias, self.block_softmax_scale, self.block_softmax_gate,
+            conv_pool, rec_pool, step.slot_ids, step.n_causal,
+            cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, block_size,
+        )
+        z = self.in_proj_z(x).reshape(B, T, -1, cfg.linear_value_head_dim)
+        o = gated_rms_norm(o, z, self.norm.weight, cfg.rms_norm_eps)
+        return self.out_proj(o.reshape(B, T, -1)), conv_pool, rec_pool
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        D, H, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = linear(D, H * 2 * hd)
+        self.k_proj = linear(D, Hkv * hd)
+        self.v_proj = linear(D, Hkv * hd)
+        self.o_proj = linear(H * hd, D)
+        self.q_norm = Weight(hd)
+        self.k_norm = Weight(hd)
+
+    def forward(self, x, key_pool, value_pool, step: StepInputs, cos, sin, block_size: int, cores: Cores):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        hd, eps = cfg.head_dim, cfg.rms_norm_eps
+        q, gate = self.q_proj(x).view(B, T, -1, 2 * hd).chunk(2, dim=-1)  # per head: hd query rows, hd gate rows
+        q = apply_partial_rope(rms_norm(q, self.q_norm.weight, eps), cos, sin)
+        k = apply_partial_rope(rms_norm(self.k_proj(x).view(B, T, -1, hd), self.k_norm.weight, eps), cos, sin)
+        v = self.v_proj(x).view(B, T, -1, hd)
+        o, key_pool, value_pool = cores.attention(
+            q, k, v, key_pool, value_pool, step.slot_ids, step.past_len, step.n_causal, block_size, hd**-0.5
+        )
+        o = o.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(o), key_pool, value_pool
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, D: int, I: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = linear(D, I), linear(D, I), linear(I, D)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Weight(cfg.num_experts, cfg.hidden_size)
+        self.experts = Experts(cfg)
+        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = linear(cfg.hidden_size, 1)
+
+    def forward(self, x, block_size: int, cores: Cores):
+        cfg = self.cfg
+        routed, distinct = cores.moe(
+            x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+            cfg.num_experts_per_tok, cfg.moe_block_coreset_top_p, cfg.moe_block_coreset_enabled, block_size,
+        )
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), distinct
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: CloverConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = Weight(cfg.hidden_size)
+        self.post_attention_layernorm = Weight(cfg.hidden_size)
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.mlp = SparseMoe(cfg)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, h, pools, step, cos, sin, block_size, cores):
+        x = rms_norm(h, self.input_layernorm.weight, self.eps)
+        if self.kind == "linear_attention":
+            mixed, *pools = self.linear_attn(x, *pools, step, block_size, cores)
+        else:
+            mixed, *pools = self.self_attn(x, *pools, step, cos, sin, block_size, cores)
+        h = h + mixed
+        out, distinct = self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps), block_size, cores)
+        return h + out, pools, distinct
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kind) for kind in cfg.layer_types])
+        self.norm = Weight(cfg.hidden_size)
+
+
+class CloverModel(nn.Module):
+    """One forward step (STEP_GRAPH.md 1): flat tensors in, logits + new pools out."""
+
+    def __init__(self, cfg: CloverConfig, block_size: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.block_size = cfg.block_size if block_size is None else block_size
+        self.model = TextModel(cfg)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.cores = Cores()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(self, input_ids, n_causal, has_block, slot_ids, past_len, *pools):
+        """input_ids [B, T] (C causal rows then block_size block rows); pools in `names.pool_names` order.
+
+        Returns (logits [B, N, V] fp32, coreset_size [B, layers] int32, *new pools).
+        """
+        h, coreset_size, new_pools = self.trunk(input_ids, n_causal, has_block, slot_ids, past_len, *pools)
+        return (self.logits(h[:, h.shape[1] - self.block_size:]), coreset_size, *new_pools)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(rms_norm(h, self.model.norm.weight, self.cfg.rms_norm_eps)).float()
+
+    def trunk(self, input_ids, n_causal, has_block, slot_ids, past_len, *pools):
+        """The decoder stack: (hidden states of every row [B, T, D], coreset_size, new pools)."""
+        cfg, N = self.cfg, self.block_size
+        step = StepInputs(input_ids, n_causal, has_block, slot_ids, past_len)
+        B, T = input_ids.shape
+        Tc = T - N
+        rows = torch.arange(T, device=input_ids.device).unsqueeze(0)
+        # causal row j sits at past_len + j; block row i at past_len + n_causal + i
+        positions = past_len.long().unsqueeze(1) + torch.where(rows < Tc, rows, rows - Tc + n_causal.long().unsqueeze(1))
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, self.dtype)
+        h = self.model.embed_tokens(input_ids.long())
+        new_pools, distinct = [], []
+        for i, layer in enumerate(self.model.layers):
+            h, p, d = layer(h, list(pools[2 * i: 2 * i + 2]), step, cos, sin, N, self.cores)
+            new_pools += p
+            distinct.append(d)
+        coreset_size = torch.stack(distinct, dim=1) * (has_block.view(B, 1) != 0).to(torch.int32)
+        return h, coreset_size, new_pools
+
+    def step(self, inputs: dict[str, torch.Tensor], pools: dict[str, torch.Tensor]):
+        """Dict form: returns (logits, coreset_size, new pools keyed by past_key_values name)."""
+        order = names.pool_names(self.cfg)
+        out = self(*(inputs[n] for n in names.STEP_SCALARS), *(pools[n] for n in order))
+        return out[0], out[1], dict(zip(order, out[2:]))
+
+
+def allocate_pools(cfg: CloverConfig, num_slots: int, max_len: int, dtype=torch.float32, device="cpu") -> dict[str, torch.Tensor]:
+    """Zeroed cache pools in graph order (STEP_GRAPH.md 1)."""
+    pools = {}
+    for name in names.pool_names(cfg):
+        pools[name] = torch.zeros(pool_shape(cfg, name, num_slots, max_len), dtype=pool_dtype(name, dtype), device=device)
+    return pools
+
+
+def pool_shape(cfg: CloverConfig, name: str, num_slots, max_len) -> tuple:
+    part = name.rsplit(".", 1)[1]
+    if part in ("key", "value"):
+        return (num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    if part == "conv_state":
+        return (num_slots, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+    return (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+
+
+def pool_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith("recurrent_state") else model_dtype
+
+
+def cache_bytes_per_token_and_fixed(cfg: CloverConfig, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(bytes that grow per cached token, fixed bytes per sequence) of one sequence's caches."""
+    per_token = len(cfg.attention_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    fixed = len(cfg.gdn_layers) * (
+        cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
+        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    )
+    return per_token, fixed
+
+
+def init_random_(model: CloverModel, seed: int = 0, std: float = 0.02) -> CloverModel:
+    """Deterministic random weights with every parameter mattering (norms too)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if name.endswith("A_log"):
+                val = torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log()
+            elif name.endswith("dt_bias"):
+                val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            elif name.endswith("block_softmax_scale"):
+                val = torch.empty(p.shape).uniform_(2.0, 8.0, generator=gen)
+            elif name.endswith(("conv1d.weight", "conv1d_right.weight")):
+                val = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+            elif name.endswith("linear_attn.norm.weight"):
+                val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            elif p.dim() == 1 or name.endswith("block_softmax_gate"):
+                val = 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                val = std * torch.randn(p.shape, generator=gen)
+            p.copy_(val.to(p.dtype))
+    return model

@@ -1,0 +1,37 @@
+"""Shared fixtures: generated model folders are made once per test session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# generated fixtures (the embedded default too) go to a per-session cache, never ~/.cache
+os.environ.setdefault("CLOVER_EXPORT_CACHE", tempfile.mkdtemp(prefix="clover-test-cache-"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The embedded default model folder."""
+    from clover_export.models import resolve_model_dir
+
+    return resolve_model_dir("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_dir(tmp_path_factory) -> Path:
+    """A random tiny Clover folder stored in F32 (for tight fp32 comparisons)."""
+    import torch
+
+    from clover_export.tiny import generate_random_tiny
+
+    return generate_random_tiny(tmp_path_factory.mktemp("tiny32") / "model", seed=1, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_fp32_dir):
+    from clover_export.models import load_model
+
+    return load_model(tiny_fp32_dir)
