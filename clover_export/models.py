@@ -58,4 +58,4 @@ def load_model(
     state = load_state_dict(model_dir, cfg, dtype=dtype, allow_qwen=allow_qwen)
     ref = build_model(cfg, dtype, device="meta", block_size=block_size)
     ref.load_state_dict(state, strict=True, assign=True)
-    return ref.to(device).eval()
+    return ref.to(device).eval().requires_grad_(False)
