@@ -1,0 +1,61 @@
+"""Memory plans for the full-size and tiny configs, checked against hand arithmetic."""
+
+import json
+
+import pytest
+
+from clover_export.config import config_from_dict
+from clover_export.engines.memory_plan import plan_memory, require_fit
+from clover_export.errors import CloverError
+from clover_export.sizing import GiB
+from clover_export.tiny import tiny_config
+
+FULL = config_from_dict(json.loads(open("clover_export/data/clover_35b_a3b_config.json").read()))
+H200 = int(139.8 * GiB)
+
+
+def test_full_size_cache_arithmetic_by_hand():
+    plan = plan_memory(FULL, "bf16", max_batch=2, max_context=131072, chunk=512)
+    # 10 attention layers x (K + V) x 2 kv heads x 256 dims x 2 bytes, per token and row
+    assert plan.attention_kv_pool == 2 * 131072 * 10 * 2 * 2 * 256 * 2
+    # 30 GDN layers x (conv 8192 x 3 x 2 bytes + state 32 x 128 x 128 x 4 bytes), per row
+    assert plan.gdn_state_pool == 2 * 30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    assert 64 * GiB < plan.weights < 65 * GiB
+
+
+def test_bf16_fits_h200_at_small_batch_not_at_large():
+    ok = plan_memory(FULL, "bf16", 4, 131072, 512, gpu_bytes=H200)
+    assert ok.fits
+    require_fit(ok)
+    big = plan_memory(FULL, "bf16", 64, 131072, 512, gpu_bytes=H200)
+    assert big.fits is False
+    with pytest.raises(CloverError) as e:
+        require_fit(big)
+    msg = str(e.value)
+    assert "does not fit" in msg and "--max-batch" in msg and "--precision fp8" in msg
+    # the suggested batch really fits
+    nb = big.max_batch_that_fits()
+    assert plan_memory(FULL, "bf16", nb, 131072, 512, gpu_bytes=H200).fits
+    assert not plan_memory(FULL, "bf16", nb + 1, 131072, 512, gpu_bytes=H200).fits
+
+
+def test_fp8_halves_the_gemm_weights_and_fits_more():
+    bf16 = plan_memory(FULL, "bf16", 8, 65536, 512, gpu_bytes=H200)
+    fp8 = plan_memory(FULL, "fp8", 8, 65536, 512, gpu_bytes=H200)
+    assert 0.5 < fp8.weights / bf16.weights < 0.56
+    assert fp8.max_batch_that_fits() > bf16.max_batch_that_fits()
+
+
+def test_weights_alone_too_big():
+    with pytest.raises(CloverError, match="weights alone|--precision fp8"):
+        require_fit(plan_memory(FULL, "bf16", 1, 1024, 64, gpu_bytes=40 * GiB))
+
+
+def test_bad_arguments():
+    cfg = tiny_config()
+    with pytest.raises(CloverError, match="max_context"):
+        plan_memory(cfg, "bf16", 1, cfg.max_context + 1, 64)
+    with pytest.raises(CloverError, match="--max-batch"):
+        plan_memory(cfg, "bf16", 0, 64, 64)
+    with pytest.raises(CloverError, match="precision"):
+        plan_memory(cfg, "int4", 1, 64, 64)
