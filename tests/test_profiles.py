@@ -11,8 +11,9 @@ from clover_export.errors import CloverError
 
 FULL = config_from_dict(json.loads(open("clover_export/data/clover_35b_a3b_config.json").read()))
 
-INPUTS = {"input_ids": ["B", "T"], "n_causal": ["B"], "past_key_values.3.key": ["S", 2, "L", 256],
-          "past_key_values.0.recurrent_state": ["S", 32, 128, 128]}
+INPUTS = {"input_ids": ["batch", "step_len"], "n_causal": ["batch"],
+          "past_key_values.3.key": ["slots", 2, "pool_len", 256],
+          "past_key_values.0.recurrent_state": ["slots", 32, 128, 128]}
 
 
 def test_profiles_cover_every_kind_of_step_full_size():

@@ -1,7 +1,8 @@
 """TensorRT optimisation profiles and build settings, decided without TensorRT (STEP_GRAPH.md 1, 4).
 
-The step graph has four dynamic dimensions: B (batch rows), T (step rows =
-C causal + N block), S (cache slots) and L (pool length). One engine serves
+The step graph has four dynamic dimensions (names as in the manifest):
+batch (B rows), step_len (T = C causal + N block rows), slots (S) and
+pool_len (L). One engine serves
 every kind of step through two profiles:
 - decode: T in [N, 2N] (plain denoise steps, or a commit folded into the next block);
 - prefill: T in [N, chunk + N] (prompt chunks, the last one folded with the first block).
@@ -14,13 +15,14 @@ from dataclasses import dataclass
 
 from clover_export.errors import CloverError
 
-DYNAMIC_DIMS = ("B", "T", "S", "L")
+B, T, S, L = "batch", "step_len", "slots", "pool_len"
+DYNAMIC_DIMS = (B, T, S, L)
 
 
 @dataclass(frozen=True)
 class Profile:
     name: str
-    dims: dict[str, tuple[int, int, int]]  # dim -> (min, opt, max)
+    dims: dict[str, tuple[int, int, int]]  # dynamic dim -> (min, opt, max)
 
     def shape_ranges(self, inputs: dict[str, list]) -> dict[str, tuple[tuple, tuple, tuple]]:
         """Input name -> (min, opt, max) shapes, from symbolic shapes like ["B", "T"]."""
@@ -48,18 +50,18 @@ def step_profiles(block_size: int, chunk: int, max_batch: int, max_context: int)
                                    f"max_batch={max_batch}, max_context={max_context}",
                           "max_context must hold at least one chunk plus one block")
     N = block_size
-    pools = {"S": (max_batch,) * 3, "L": (max_context,) * 3}
+    pools = {S: (max_batch,) * 3, L: (max_context,) * 3}
     batch = (1, max_batch, max_batch)
     return [
-        Profile("decode", {"B": batch, "T": (N, 2 * N, 2 * N), **pools}),
-        Profile("prefill", {"B": batch, "T": (N, chunk + N, chunk + N), **pools}),
+        Profile("decode", {B: batch, T: (N, 2 * N, 2 * N), **pools}),
+        Profile("prefill", {B: batch, T: (N, chunk + N, chunk + N), **pools}),
     ]
 
 
 def profile_for(profiles: list[Profile], batch: int, rows: int) -> int:
     """Index of the first profile whose ranges hold a step of `batch` rows of `rows` each (the runtime's choice)."""
     for i, p in enumerate(profiles):
-        if p.dims["B"][0] <= batch <= p.dims["B"][2] and p.dims["T"][0] <= rows <= p.dims["T"][2]:
+        if p.dims[B][0] <= batch <= p.dims[B][2] and p.dims[T][0] <= rows <= p.dims[T][2]:
             return i
     raise CloverError("runtime", f"no engine profile holds a step of batch {batch} x {rows} rows",
                       "rebuild with a larger --max-batch or --chunk")
