@@ -89,4 +89,7 @@ def coreset_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     # keep sorted position r iff the prefix strictly before it is below the target
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
     keep_sorted = (before < target) | (torch.arange(E, device=probs.device) == 0)
+    if top_p >= 1.0:
+        # fp32 sums absorb tiny masses; top_p = 1.0 must keep every expert some position chose (routing = plain top-k)
+        keep_sorted = keep_sorted | (sorted_agg > 0)
     return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)

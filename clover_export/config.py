@@ -144,6 +144,8 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> CloverConfi
         if key in rope:
             kwargs[key] = rope[key]
     eos = text.get("eos_token_id", CloverConfig.eos_token_id)
+    if eos is None:  # transformers writes null when unset; generation_config.json may still name it
+        eos = ()
     kwargs["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     layers = kwargs.get("num_hidden_layers", CloverConfig.num_hidden_layers)
     if text.get("layer_types") is not None:

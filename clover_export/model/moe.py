@@ -23,7 +23,7 @@ def route(probs: torch.Tensor, allowed: torch.Tensor, top_k: int) -> tuple[torch
     vals, idx = stable_topk(masked, top_k)
     ok = vals >= 0  # fewer than k allowed experts: top-min(k, |set|)
     vals = torch.where(ok, vals, torch.zeros_like(vals))
-    vals = vals / vals.sum(-1, keepdim=True)
+    vals = vals / vals.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # all-zero kept mass: no NaN
     dense = torch.zeros_like(probs).scatter(-1, idx, vals)
     chosen = torch.zeros_like(allowed).scatter(-1, idx, ok)
     return dense, chosen
