@@ -41,7 +41,7 @@ def split_heads(x: torch.Tensor, num_k_heads: int, dk: int, dv: int):
     B, T, _ = x.shape
     kd = num_k_heads * dk
     q, k, v = torch.split(x, [kd, kd, x.shape[-1] - 2 * kd], dim=-1)
-    return q.reshape(B, T, num_k_heads, dk), k.reshape(B, T, num_k_heads, dk), v.reshape(B, T, -1, dv)
+    return q.reshape(B, T, num_k_heads, dk), k.reshape(B, T, num_k_heads, dk), v.reshape(B, T, v.shape[-1] // dv, dv)
 
 
 def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = CHUNK):
