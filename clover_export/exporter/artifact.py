@@ -1,0 +1,167 @@
+"""An exported folder as the runtime sees it: manifest -> `Artifact`, and an ONNX Runtime session.
+
+Folder layout (written by `export.py`, STEP_GRAPH.md 1-3):
+  model.onnx        the step graph (opset 20 / IR 9), initializers as external data
+  manifest.json     everything below, plus config, profiles, op contracts, tool versions
+  weights.json      the weight map: initializer name -> file, offset, length, dtype, shape
+  weights/          shard hard links / reflinks / copies, and converted tensors (fp32 graphs)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clover_export.config import CloverConfig, config_from_dict
+from clover_export.errors import CloverError
+
+MANIFEST = "manifest.json"
+GRAPH = "model.onnx"
+WEIGHT_MAP = "weights.json"
+WEIGHTS_DIR = "weights"
+FORMAT = "clover-export/step-graph"
+FORMAT_VERSION = 1
+WEIGHT_MODES = ("link", "map", "copy")
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    name: str
+    shape: tuple  # ints and dynamic-dimension names ("batch", "step_len", "slots", "pool_len")
+    dtype: str  # numpy spelling: "int32", "float32", "bfloat16"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """The manifest of an exported step graph, as a dataclass (see `load_artifact`)."""
+
+    dir: Path
+    graph_path: Path
+    config: CloverConfig
+    block_size: int
+    chunk: int
+    dtype: str  # "bf16" | "fp32": the graph's model dtype (recurrent states are always float32)
+    inputs: tuple[IOSpec, ...]
+    outputs: tuple[IOSpec, ...]
+    weights_mode: str  # the mode used: "link" | "map" | "copy"
+    manifest: dict[str, Any]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [s.name for s in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [s.name for s in self.outputs]
+
+    @property
+    def pool_names(self) -> list[str]:
+        """Cache-pool inputs in graph order (`past_key_values.*`); outputs are `present.*`."""
+        return [s.name for s in self.inputs if s.name.startswith("past_key_values.")]
+
+    @property
+    def weight_map_path(self) -> Path:
+        return self.dir / WEIGHT_MAP
+
+
+def load_artifact(path: str | Path) -> Artifact:
+    """Read `DIR/manifest.json` (written by `clover-export export`) into an `Artifact`.
+
+    Raises CloverError naming the file and field when the folder is not a
+    complete export or was written by an incompatible version.
+    """
+    d = Path(path)
+    mpath = d / MANIFEST
+    if not d.is_dir():
+        raise CloverError("artifact", f"{d}: no such folder", "pass the folder written by `clover-export export`")
+    if not mpath.exists():
+        raise CloverError("artifact", f"{d}: no {MANIFEST}", "not an export folder (or an interrupted one); export again")
+    try:
+        m = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CloverError("artifact", f"{mpath}: not valid JSON ({e})") from None
+    if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
+        raise CloverError(
+            "artifact", f"{mpath}: format {m.get('format')!r} v{m.get('format_version')!r}",
+            f"expected {FORMAT!r} v{FORMAT_VERSION}; export again with this version",
+        )
+    try:
+        cfg = config_from_dict(m["config"], source=str(mpath))
+        art = Artifact(
+            dir=d,
+            graph_path=d / m["graph"],
+            config=cfg,
+            block_size=int(m["block_size"]),
+            chunk=int(m["chunk"]),
+            dtype=m["dtype"],
+            inputs=tuple(IOSpec(s["name"], tuple(s["shape"]), s["dtype"]) for s in m["inputs"]),
+            outputs=tuple(IOSpec(s["name"], tuple(s["shape"]), s["dtype"]) for s in m["outputs"]),
+            weights_mode=m["weights"]["mode"],
+            manifest=m,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CloverError("artifact", f"{mpath}: missing or malformed field ({e!r})", "export again") from None
+    if not art.graph_path.exists():
+        raise CloverError("artifact", f"{art.graph_path}: graph file missing")
+    return art
+
+
+def read_weight_map(art: Artifact) -> dict[str, dict]:
+    """Initializer name -> {"file", "offset", "length", "dtype", "shape"}; "file" relative to the folder or absolute."""
+    try:
+        return json.loads(art.weight_map_path.read_text())["tensors"]
+    except FileNotFoundError:
+        raise CloverError("artifact", f"{art.weight_map_path}: weight map missing") from None
+
+
+def ort_session(artifact: Artifact, providers: list | None = None, session_options=None):
+    """An `onnxruntime.InferenceSession` for the artefact's step graph.
+
+    providers: as for ONNX Runtime (default: CUDA EP when available, then CPU).
+    `map` weights mode: the graph's initializers point at files that are not in
+    the folder; their bytes are memory-mapped from the checkpoint shards named
+    in `weights.json` and handed to ONNX Runtime with
+    `SessionOptions.add_external_initializers` (zero copy on CPU; the arrays
+    stay referenced by the session as `session._clover_weights`).
+    Feeds / fetches use `artifact.input_names` / `artifact.output_names`.
+    """
+    import onnxruntime as ort
+
+    if providers is None:
+        avail = ort.get_available_providers()
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
+    so = session_options or ort.SessionOptions()
+    keep = []
+    if artifact.weights_mode == "map":
+        names, values, keep = _mapped_initializers(artifact)
+        so.add_external_initializers(names, values)
+    try:
+        sess = ort.InferenceSession(str(artifact.graph_path), sess_options=so, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise CloverError("artifact", f"{artifact.graph_path}: ONNX Runtime cannot load the graph ({e})") from None
+    sess._clover_weights = keep
+    return sess
+
+
+def _mapped_initializers(art: Artifact):
+    """(names, OrtValues, arrays to keep alive) for every weight-map entry that lives outside the folder."""
+    import numpy as np
+    from onnxruntime import OrtValue
+
+    from clover_export.exporter.weights import onnx_elem_type, storage_dtype
+
+    names, values, keep = [], [], []
+    for name, e in read_weight_map(art).items():
+        path = Path(e["file"])
+        if not path.is_absolute():
+            continue  # in-folder files (converted tensors) are read by ONNX Runtime itself
+        if not path.exists():
+            raise CloverError("artifact", f"{art.weight_map_path}: tensor '{name}' lives in {path}, which is gone",
+                              "the map mode references the checkpoint in place; export again or use --weights link/copy")
+        arr = np.memmap(path, dtype=storage_dtype(e["dtype"]), mode="r", offset=e["offset"], shape=tuple(e["shape"]))
+        values.append(OrtValue.ortvalue_from_numpy_with_onnx_type(arr, onnx_elem_type(e["dtype"])))
+        names.append(name)
+        keep.append(arr)
+    return names, values, keep

@@ -1,0 +1,96 @@
+"""CLI: `clover-export export | validate | check` (STEP_GRAPH.md 1-3, 5)."""
+
+from __future__ import annotations
+
+import click
+
+from clover_export.exporter.artifact import WEIGHT_MODES
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@click.command("export")
+@click.argument("model", required=False)
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output folder (replaced atomically).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Graph dtype. bf16: TensorRT / GPU; fp32: ONNX Runtime on CPU (weights converted into new files).")
+@click.option("--weights", type=click.Choice(WEIGHT_MODES), default="link", show_default=True,
+              help="link: reflink / hard-link the shards (zero copy, same filesystem); map: reference the checkpoint "
+                   "in place through weights.json (zero copy, needs clover_export's ORT loader or TensorRT refit); "
+                   "copy: self-contained folder.")
+@click.option("--block-size", type=int, default=None, help="Block rows per step (default: the config's block_size).")
+@click.option("--chunk", type=int, default=256, show_default=True, help="Causal rows of the prefill profile.")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch of the profiles.")
+@click.option("--slots", type=int, default=None, help="Cache slots per pool in the profiles (default: --max-batch).")
+@click.option("--max-len", type=int, default=None, help="Pool length L in the profiles (default: max_context).")
+@click.option("--allow-qwen", is_flag=True, help="Accept a plain Qwen3.5-MoE checkpoint (block-mixer tensors zero-filled).")
+def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, max_len, allow_qwen):
+    """Export MODEL's step graph (ONNX, opset 20 / IR 9) with manifest.json to OUT.
+
+    One graph serves every kind of step: per batch row C causal rows (C >= 0)
+    then block_size block rows; dynamic batch, T = C + block_size, slots and
+    pool length. The model is traced on the meta device: no weight is loaded,
+    and bf16 graphs of a bf16 checkpoint write no weight bytes. The readiness
+    check (`clover-export check`) runs at the end; nothing is written unless
+    everything succeeds.
+    """
+    from clover_export.exporter.export import export
+
+    res = export(model, out, dtype=dtype, weights=weights, block_size=block_size, chunk=chunk,
+                 max_batch=max_batch, slots=slots, max_len=max_len, allow_qwen=allow_qwen, log=click.echo)
+    w = res.weights
+    for msg in w.messages:
+        click.echo(f"note: {msg}")
+    how = ", ".join(sorted(set(w.link_kind.values()))) or "-"
+    click.echo(f"weights: --weights {w.mode}" + (f" (requested {w.requested})" if w.mode != w.requested else "")
+               + f" [{how}]: {_mib(w.bytes_referenced)} referenced, {_mib(w.bytes_copied)} copied, "
+               f"{_mib(w.bytes_converted)} converted ({len(w.converted)} tensors)")
+    click.echo(f"wrote {res.dir} in {res.seconds:.1f} s ({_mib(res.bytes_written)} written); readiness check passed")
+
+
+@click.command("check")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--verbose", "-v", is_flag=True, help="Also list warnings and notes.")
+def check_cmd(folder, verbose):
+    """Check an exported FOLDER for TensorRT: operators and types against TensorRT's ONNX parser matrix
+    (and its statically checkable restrictions), opset 20 / IR 9, plugin attributes, external-data paths,
+    and that the optimisation profiles cover every dynamic dimension. Exit status 1 on any failure."""
+    from clover_export.exporter.check import check_folder
+
+    rep = check_folder(folder)
+    shown = [f for f in rep.findings if verbose or f.level == "fail"]
+    for f in shown:
+        click.echo(f"  {f}")
+    counts = {lvl: sum(f.level == lvl for f in rep.findings) for lvl in ("fail", "warn", "info")}
+    click.echo(f"{folder}: {rep.nodes_checked} nodes checked; {counts['fail']} failure(s), "
+               f"{counts['warn']} warning(s), {counts['info']} note(s)" + ("" if verbose else " (-v lists them)"))
+    if counts["fail"]:
+        raise SystemExit(1)
+
+
+@click.command("validate")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--steps", type=int, default=None, help="Run only the first N steps of the scenario.")
+@click.option("--save-io", type=click.Path(dir_okay=False), default=None,
+              help="Save inputs and outputs in Polygraphy's JSON format: FILE (RunResults) and FILE's "
+                   "`.inputs.json` sibling (input data list), to replay against TensorRT elsewhere.")
+@click.option("--no-cuda", is_flag=True, help="Do not use ONNX Runtime's CUDA EP even where present.")
+@click.option("--reference-evaluator/--no-reference-evaluator", default=None,
+              help="Also run one small step with onnx.reference (default: for bf16 graphs).")
+def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator):
+    """Run FOLDER's graph in ONNX Runtime (and onnx.reference for bf16) against the reference model on
+    the same inputs: prefill chunks, a commit folded with a block, block-only steps, batch rows in
+    different phases and cached lengths, cache pools carried between steps. Reports per-output max
+    abs / relative error against tolerances; exit status 1 on any failure."""
+    from clover_export.exporter.validate import validate
+
+    rep = validate(folder, steps=steps, save_io=save_io, cuda=not no_cuda, reference_evaluator=reference_evaluator,
+                   log=click.echo)
+    click.echo(rep.format())
+    if not rep.passed:
+        raise SystemExit(1)
+
+
+COMMANDS = [export_cmd, check_cmd, validate_cmd]

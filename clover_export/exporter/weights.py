@@ -1,0 +1,234 @@
+"""Weights as external data (STEP_GRAPH.md 3): link, map or copy the checkpoint, never load it.
+
+Every canonical tensor the graph references becomes an initializer whose
+external data is (location, offset, length) inside a safetensors shard:
+- `link`: the shards are reflinked (else hard-linked) into `weights/`; a
+  symlinked shard (Hugging Face cache) is resolved first. Zero bytes copied.
+- `map`: nothing is linked; `weights.json` names the shards in place and
+  `artifact.ort_session` feeds their memory-mapped bytes to ONNX Runtime.
+- `copy`: the shards are copied into `weights/` (a self-contained folder).
+Tensors whose stored dtype differs from the graph's (fp32 graphs of a bf16
+checkpoint, F32-stored norms in a bf16 graph) are converted one at a time
+into `weights/converted.bin`. Per-expert checkpoints keep their per-expert
+initializers; the fused tensor is a Concat + Reshape of them.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from clover_export import names
+from clover_export.checkpoint import SAFETENSORS_DTYPE, TensorLocation, TensorPlan, TensorReader
+from clover_export.errors import CloverError
+
+WEIGHTS_DIR = "weights"
+CONVERTED = "converted.bin"
+ALIGN = 4096  # converted tensors start on page boundaries (memory-mappable)
+FICLONE = 0x40049409  # linux/fs.h: reflink a whole file
+
+_ONNX = {"BF16": TensorProto.BFLOAT16, "F16": TensorProto.FLOAT16, "F32": TensorProto.FLOAT}
+_STORAGE = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+
+
+def onnx_elem_type(st_dtype: str) -> int:
+    return _ONNX[st_dtype]
+
+
+def storage_dtype(st_dtype: str):
+    """numpy dtype with the stored item size (bf16 as uint16: numpy has no bfloat16)."""
+    return _STORAGE[st_dtype]
+
+
+@dataclass
+class WeightReport:
+    requested: str
+    mode: str  # the mode used
+    messages: list[str] = field(default_factory=list)
+    link_kind: dict[str, str] = field(default_factory=dict)  # shard -> "reflink" | "hardlink" | "copy" | "mapped"
+    bytes_referenced: int = 0  # weight bytes the graph reads from the checkpoint (not written)
+    bytes_copied: int = 0
+    bytes_converted: int = 0
+    converted: list[str] = field(default_factory=list)
+
+    @property
+    def weight_bytes_written(self) -> int:
+        return self.bytes_copied + self.bytes_converted
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode, "requested": self.requested, "messages": self.messages,
+            "shards": self.link_kind, "bytes_referenced": self.bytes_referenced,
+            "bytes_copied": self.bytes_copied, "bytes_converted": self.bytes_converted,
+            "weight_bytes_written": self.weight_bytes_written, "converted": self.converted,
+        }
+
+
+# --- putting shard files into the output folder ------------------------------------
+def reflink(src: Path, dst: Path) -> None:
+    """Copy-on-write clone (btrfs, xfs, ...); raises OSError where unsupported."""
+    with open(src, "rb") as s, open(dst, "wb") as d:
+        try:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        except OSError:
+            d.close()
+            os.unlink(dst)
+            raise
+
+
+def hardlink(src: Path, dst: Path) -> None:
+    os.link(src, dst)
+
+
+def link_file(src: Path, dst: Path) -> str:
+    """Reflink, else hard-link `src` (already resolved) to `dst`: "reflink" | "hardlink"; OSError if neither."""
+    try:
+        reflink(src, dst)
+        return "reflink"
+    except OSError:
+        pass
+    hardlink(src, dst)
+    return "hardlink"
+
+
+def copy_file(src: Path, dst: Path) -> int:
+    shutil.copyfile(src, dst)
+    return dst.stat().st_size
+
+
+class WeightWriter:
+    """Builds the initializers, Concat nodes and weight map for one export into `folder`."""
+
+    def __init__(self, folder: Path, mode: str, graph_dtype: torch.dtype):
+        self.folder = folder
+        self.report = WeightReport(requested=mode, mode=mode)
+        self.dtype = SAFETENSORS_DTYPE[graph_dtype]
+        self.graph_dtype = graph_dtype
+        self.files: dict[Path, str] = {}  # resolved shard -> location relative to the folder (or absolute, map)
+        self.initializers: list[TensorProto] = []
+        self.nodes: list[onnx.NodeProto] = []
+        self.weight_map: dict[str, dict] = {}
+        self._reader = TensorReader()
+        self._converted = None
+        (folder / WEIGHTS_DIR).mkdir(parents=True, exist_ok=True)
+
+    # --- files -------------------------------------------------------------------
+    def _place(self, shard: Path) -> str:
+        """Location of a shard for the graph (placing it per the mode on first use)."""
+        real = shard.resolve()
+        if real in self.files:
+            return self.files[real]
+        rel = f"{WEIGHTS_DIR}/{real.name}"
+        if rel in self.files.values():
+            raise CloverError("weights", f"two shards are both named {real.name}", "shard file names must be unique")
+        if shard.is_symlink() and self.report.mode != "map":
+            self.report.messages.append(
+                f"{shard.name} is a symlink (Hugging Face cache layout) to {real}; onnx cannot reference symlinks, "
+                f"so its target is {'linked' if self.report.mode == 'link' else 'copied'} instead"
+            )
+        if self.report.mode == "link":
+            try:
+                self.report.link_kind[real.name] = link_file(real, self.folder / rel)
+            except OSError as e:
+                self._fall_back_to_map(real, e)
+        if self.report.mode == "copy":
+            self.report.bytes_copied += copy_file(real, self.folder / rel)
+            self.report.link_kind[real.name] = "copy"
+        if self.report.mode == "map":
+            self.report.link_kind[real.name] = "mapped"
+            self.files[real] = str(real)
+        else:
+            self.files[real] = rel
+        return self.files[real]
+
+    def _fall_back_to_map(self, real: Path, e: OSError) -> None:
+        why = "the output is on another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
+        self.report.messages.append(
+            f"cannot link {real} into {self.folder.name}/ ({why}); falling back to --weights map: the graph "
+            f"reads the checkpoint in place through weights.json (ONNX Runtime: clover_export.exporter.ort_session). "
+            f"Use --weights copy for a self-contained folder, or export onto the checkpoint's filesystem"
+        )
+        rel_to_real = {rel: real for real, rel in self.files.items()}
+        for rel, real in rel_to_real.items():  # shards linked before the failure go: one mode per export
+            (self.folder / rel).unlink(missing_ok=True)
+            self.files[real] = str(real)
+        for entry in self.weight_map.values():
+            if not entry["converted"]:
+                entry["file"] = str(rel_to_real[entry["file"]])
+        self.report.mode = "map"
+        self.report.link_kind = {k: "mapped" for k in self.report.link_kind}
+
+    # --- tensors -----------------------------------------------------------------
+    def add(self, plan: TensorPlan) -> None:
+        """Initializer(s) for one canonical tensor (plus Concat + Reshape for per-expert checkpoints)."""
+        if plan.fused:
+            self._initializer(plan.name, plan.parts[0][0])
+            return
+        pieces = []
+        for grp in plan.parts:
+            for loc in grp:
+                name = names.canonical_name(loc.stored_name)
+                self._initializer(name, loc)
+                pieces.append(name)
+        cat = f"{plan.name}__concat"
+        shape = f"{plan.name}__shape"
+        self.initializers.append(helper.make_tensor(shape, TensorProto.INT64, [len(plan.shape)], list(plan.shape)))
+        self.nodes.append(helper.make_node("Concat", pieces, [cat], axis=0, name=f"{plan.name}/fuse_experts"))
+        self.nodes.append(helper.make_node("Reshape", [cat, shape], [plan.name], name=f"{plan.name}/fuse_experts_shape"))
+
+    def add_zeros(self, name: str, shape: tuple[int, ...]) -> None:
+        """A zero tensor (plain Qwen checkpoint opted in: the Clover block-mixer tensors)."""
+        self._converted_entry(name, torch.zeros(shape, dtype=self.graph_dtype))
+
+    def _initializer(self, name: str, loc: TensorLocation) -> None:
+        if loc.dtype != self.dtype:
+            self._converted_entry(name, self._reader._get(loc).to(self.graph_dtype))
+            return
+        location = self._place(loc.file)
+        self.report.bytes_referenced += loc.length
+        self._external(name, loc.shape, location, loc.offset, loc.length)
+        self.weight_map[name] = {"file": location, "offset": loc.offset, "length": loc.length,
+                                 "dtype": loc.dtype, "shape": list(loc.shape), "converted": False}
+
+    def _converted_entry(self, name: str, t: torch.Tensor) -> None:
+        if self._converted is None:
+            self._converted = open(self.folder / WEIGHTS_DIR / CONVERTED, "wb")
+        f = self._converted
+        f.write(b"\0" * ((-f.tell()) % ALIGN))
+        offset = f.tell()
+        data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        f.write(memoryview(data))
+        self.report.bytes_converted += len(data)
+        self.report.converted.append(name)
+        location = f"{WEIGHTS_DIR}/{CONVERTED}"
+        self._external(name, tuple(t.shape), location, offset, len(data))
+        self.weight_map[name] = {"file": location, "offset": offset, "length": len(data),
+                                 "dtype": self.dtype, "shape": list(t.shape), "converted": True}
+
+    def _external(self, name, shape, location, offset, length) -> None:
+        t = TensorProto(name=name, data_type=_ONNX[self.dtype], dims=list(shape), data_location=TensorProto.EXTERNAL)
+        # map mode: locations inside the folder that do not exist; ort_session supplies the bytes
+        loc = location if not os.path.isabs(location) else f"{WEIGHTS_DIR}/{Path(location).name}"
+        for k, v in (("location", loc), ("offset", str(offset)), ("length", str(length))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.initializers.append(t)
+
+    def close(self) -> None:
+        if self._converted is not None:
+            self._converted.close()
+            self._converted = None
+            if not self.files:
+                self.report.messages.append(
+                    f"every tensor was converted to {self.dtype} ({WEIGHTS_DIR}/{CONVERTED}); no shard is referenced")
+        if self.report.mode == "map" and not any((self.folder / WEIGHTS_DIR).iterdir()):
+            (self.folder / WEIGHTS_DIR).rmdir()

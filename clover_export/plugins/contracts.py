@@ -1,0 +1,222 @@
+"""The three custom ops, each described once (STEP_GRAPH.md 2).
+
+Plain data, no torch / onnx / tensorrt import: the torch custom ops
+(`torch_ops.py`), the ONNX emitters and function bodies (`onnx_ops.py`),
+the Triton kernels and the TensorRT plugin registrations all read these.
+
+Conventions
+- Inputs come first, then attributes, in the argument order of the
+  plain-torch core named by `reference` (that core *is* the op's semantics).
+- Shapes are tuples of symbolic dimension names. A name that is also an
+  attribute takes the attribute's value. Every name of an output shape is
+  bound by some input shape or attribute (`output_shapes` resolves them).
+- dtype rules: "float" (any of FLOAT_DTYPES: the graph's model dtype or
+  float32), "float32", "int32", or "like:<input>" (same dtype as that input).
+- `aliases`: output -> input it updates in place on TensorRT (the plugin
+  declares the alias; nothing is copied). ONNX function bodies compute the
+  same values functionally.
+- Per batch row the step holds C = T - block_size causal rows (the first
+  `n_causal` valid, left-aligned) followed by block_size block rows
+  (STEP_GRAPH.md 1). Causal rows update the row's cache slot `slot_ids[b]`;
+  block rows only read it. `slot_ids` are unique within a step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+NAMESPACE = "clover"  # ONNX domain, TensorRT plugin namespace, torch.library namespace
+PLUGIN_VERSION = "1"
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+ATTR_TYPES = ("int", "float", "bool")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[str, ...]
+    dtype: str  # "float" | "float32" | "int32" | "like:<input name>"
+    doc: str = ""
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    name: str
+    type: str  # one of ATTR_TYPES; bool travels as an int 0/1 in ONNX
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class OpContract:
+    name: str
+    reference: str  # "module:function" of the plain-torch core
+    inputs: tuple[TensorSpec, ...]
+    attributes: tuple[AttrSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    aliases: dict[str, str] = field(default_factory=dict)  # output name -> input name
+    doc: str = ""
+    namespace: str = NAMESPACE
+    version: str = PLUGIN_VERSION
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.namespace}::{self.name}"
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["qualname"] = self.qualname
+        return d
+
+    def fingerprint(self) -> str:
+        """Hash of everything a kernel or plugin depends on (docs included: they carry the semantics)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _t(name: str, shape: str, dtype: str, doc: str = "") -> TensorSpec:
+    return TensorSpec(name, tuple(shape.split()), dtype, doc)
+
+
+BLOCK_GDN = OpContract(
+    name="BlockGDN",
+    reference="clover_export.model.gdn:gdn_core",
+    doc=(
+        "Gated DeltaNet core over a step's rows (MODEL.md 4, 5.2). Causal rows: depthwise causal conv "
+        "reading the slot's conv state, SiLU, L2-normalised q/k (q scaled by dk^-1/2), "
+        "beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), gated delta rule from the slot's "
+        "recurrent state; padding rows (>= n_causal) change nothing. Block rows: causal + anti-causal "
+        "conv from the state after the causal rows, then the [assumed] block mixer. Output before the "
+        "gated norm. v-head j uses k-head floor(j Hk / Hv)."
+    ),
+    inputs=(
+        _t("mixed_qkv", "B T C", "float", "pre-conv projections x W_qkv^T, rows q|k|v"),
+        _t("a", "B T Hv", "like:mixed_qkv", "x W_a^T"),
+        _t("b", "B T Hv", "like:mixed_qkv", "x W_b^T"),
+        _t("conv_w", "C K", "float", "causal depthwise conv taps; tap K-1 multiplies the current row"),
+        _t("conv_w_right", "C K", "float", "[assumed] anti-causal taps; tap 0 multiplies the current row"),
+        _t("A_log", "Hv", "float"),
+        _t("dt_bias", "Hv", "float"),
+        _t("block_scale", "Hv", "float", "[assumed] block softmax scale, used as stored"),
+        _t("block_gate", "Hv", "float", "[assumed] block output gate (sigmoid)"),
+        _t("conv_pool", "S C Km1", "like:mixed_qkv", "slot pool: last K-1 pre-conv rows"),
+        _t("rec_pool", "S Hv dk dv", "float32", "slot pool: recurrent state"),
+        _t("slot_ids", "B", "int32"),
+        _t("n_causal", "B", "int32", "valid causal rows (0..C)"),
+    ),
+    attributes=(
+        AttrSpec("num_k_heads", "int", "Hk"),
+        AttrSpec("head_k_dim", "int", "dk"),
+        AttrSpec("head_v_dim", "int", "dv"),
+        AttrSpec("block_size", "int", "N: the last N rows of T are block rows"),
+    ),
+    outputs=(
+        _t("o", "B T Hv head_v_dim", "like:mixed_qkv", "core output per v-head, before the gated norm"),
+        _t("conv_pool_out", "S C Km1", "like:conv_pool"),
+        _t("rec_pool_out", "S Hv dk dv", "like:rec_pool"),
+    ),
+    aliases={"conv_pool_out": "conv_pool", "rec_pool_out": "rec_pool"},
+)
+
+BLOCK_ATTENTION = OpContract(
+    name="BlockAttention",
+    reference="clover_export.model.attention:attention_core",
+    doc=(
+        "Softmax attention of the step's rows against the slot's cached K/V (MODEL.md 4, 5.1). "
+        "Causal row j sees cached positions < past_len + j + 1 after the step's valid causal rows "
+        "are written at past_len + j (j < n_causal); block rows see positions < past_len + n_causal "
+        "and the whole block. GQA: q-head h uses kv-head floor(h Hkv / H). Scores scaled by `scale`."
+    ),
+    inputs=(
+        _t("q", "B T H hd", "float", "after q_norm and RoPE"),
+        _t("k", "B T Hkv hd", "like:q", "after k_norm and RoPE"),
+        _t("v", "B T Hkv hd", "like:q"),
+        _t("key_pool", "S Hkv L hd", "like:q"),
+        _t("value_pool", "S Hkv L hd", "like:q"),
+        _t("slot_ids", "B", "int32"),
+        _t("past_len", "B", "int32", "cached length of the slot = position of the first causal row"),
+        _t("n_causal", "B", "int32"),
+    ),
+    attributes=(
+        AttrSpec("block_size", "int", "N: the last N rows of T are block rows"),
+        AttrSpec("scale", "float", "score scale, hd^-1/2"),
+    ),
+    outputs=(
+        _t("o", "B T H hd", "like:q"),
+        _t("key_pool_out", "S Hkv L hd", "like:key_pool"),
+        _t("value_pool_out", "S Hkv L hd", "like:value_pool"),
+    ),
+    aliases={"key_pool_out": "key_pool", "value_pool_out": "value_pool"},
+)
+
+CORESET_MOE = OpContract(
+    name="CoresetMoE",
+    reference="clover_export.model.moe:moe_core",
+    doc=(
+        "Routed experts (MODEL.md 4, 5.3): p = softmax_fp32(x W_router^T); causal rows take plain "
+        "top-k; block rows (per batch row) take top-min(k, |set|) within the block's expert coreset "
+        "when `coreset` is set; weights renormalised, cast to x's dtype; expert e: "
+        "W_down[e] (silu(g) * u) with [g; u] = W_gate_up[e] x. Ties go to the lower expert id. "
+        "Also returns the number of distinct experts the block rows chose per batch row."
+    ),
+    inputs=(
+        _t("x", "B T D", "float", "post-attention-normalised hidden states"),
+        _t("router_w", "E D", "like:x"),
+        _t("gate_up", "E I2 D", "like:x", "rows: gate (I) then up (I)"),
+        _t("down", "E D I", "like:x"),
+    ),
+    attributes=(
+        AttrSpec("top_k", "int"),
+        AttrSpec("top_p", "float", "coreset mass fraction"),
+        AttrSpec("coreset", "bool", "route block rows within the block coreset"),
+        AttrSpec("block_size", "int", "N: the last N rows of T are block rows"),
+    ),
+    outputs=(
+        _t("routed", "B T D", "like:x", "routed expert output (shared expert stays outside)"),
+        _t("coreset_size", "B", "int32", "distinct experts chosen by the block rows"),
+    ),
+)
+
+CONTRACTS: dict[str, OpContract] = {c.name: c for c in (BLOCK_GDN, BLOCK_ATTENTION, CORESET_MOE)}
+
+
+def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object]) -> dict[str, object]:
+    """Symbolic dim name -> value, from input shapes and attributes; raises ValueError on a mismatch.
+
+    Values may be ints or symbolic sizes (torch SymInt under fake tensors): those are bound, not compared.
+    """
+    dims: dict[str, object] = {a.name: attrs[a.name] for a in contract.attributes if a.name in attrs}
+    for spec in contract.inputs:
+        shape = tuple(shapes[spec.name])
+        if len(shape) != spec.rank:
+            raise ValueError(f"{contract.qualname}: input '{spec.name}' has rank {len(shape)}, expected {spec.rank} {spec.shape}")
+        for dim, size in zip(spec.shape, shape):
+            if dim not in dims:
+                dims[dim] = size
+            elif isinstance(size, int) and isinstance(dims[dim], int) and dims[dim] != size:
+                raise ValueError(
+                    f"{contract.qualname}: input '{spec.name}' dim {dim} is {size}, elsewhere {dims[dim]}"
+                )
+    return dims
+
+
+def output_shapes(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object]) -> list[tuple]:
+    dims = bind_dims(contract, shapes, attrs)
+    return [tuple(dims[d] for d in spec.shape) for spec in contract.outputs]
+
+
+def output_dtype_source(spec: TensorSpec) -> str | None:
+    """For "like:<input>" rules the input name; None for fixed dtypes."""
+    return spec.dtype.split(":", 1)[1] if spec.dtype.startswith("like:") else None
+
+
+def manifest_entry() -> dict[str, dict]:
+    """What an artefact records about the ops it uses."""
+    return {c.qualname: {"version": c.version, "fingerprint": c.fingerprint()} for c in CONTRACTS.values()}
