@@ -1,0 +1,251 @@
+"""Ahead-of-time PTX of the plugin kernels, without a GPU (STEP_GRAPH.md 4, 5).
+
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` gives
+PTX for any architecture on a CPU machine. TensorRT's AOT plugin launch
+passes exactly: one pointer per input, the extra int32 scalars, one pointer
+per output. Triton (>= 3.3) appends hidden parameters after those: a global
+scratch pointer and (>= 3.5) a profiler scratch pointer. Our kernels use no
+scratch (checked: metadata sizes 0 and the parameters never loaded), so
+`strip_hidden_params` removes them from the `.entry` and the PTX then takes
+exactly TensorRT's argument list; `entry_params` reads the list back for
+the tests and the GPU check.
+
+Command line: `python -m clover_export.plugins.triton.aot --out DIR` writes
+every variant's PTX and a manifest.json (launch ABI, grid rule, shared memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from clover_export.plugins.triton import launch
+
+_ENTRY = re.compile(r"\.visible\s+\.entry\s+([A-Za-z_$][\w$]*)\s*\((.*?)\)", re.S)
+_PARAM = re.compile(r"\.param\s+(\.\w+)(?:\s+\.ptr)?(?:\s+\.global)?(?:\s+\.align\s+\d+)?\s+([\w$]+)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel specialisation: what `triton.compile` needs plus the expected runtime parameters."""
+
+    key: str  # e.g. "BlockGDN.bf16"
+    module: str
+    kernel: str
+    signature: dict[str, str]  # runtime params in launch order -> Triton type
+    constexprs: dict[str, object]
+    options: dict[str, int] = field(default_factory=dict)  # num_warps, num_stages
+    grid: str = ""  # human-readable grid rule (launch.py computes it)
+
+    @property
+    def params(self) -> list[str]:
+        return list(self.signature)
+
+
+@dataclass
+class CompiledPTX:
+    key: str
+    arch: int
+    name: str
+    ptx: str  # hidden parameters stripped
+    params: list[tuple[str, str]]  # (ptx type, ptx name) of the stripped entry
+    hidden: list[tuple[str, str]]  # what was stripped
+    shared: int
+    num_warps: int
+
+    @property
+    def block(self) -> int:
+        return self.num_warps * 32
+
+    def manifest(self) -> dict:
+        d = asdict(self)
+        d.pop("ptx")
+        return d
+
+
+def entry_params(ptx: str) -> tuple[str, list[tuple[str, str]]]:
+    """(kernel name, [(type, name)]) of the single `.entry` of a PTX module."""
+    found = _ENTRY.findall(ptx)
+    if len(found) != 1:
+        raise ValueError(f"expected one .entry in the PTX, found {len(found)}")
+    name, body = found[0]
+    return name, [(m.group(1), m.group(2)) for m in _PARAM.finditer(body)]
+
+
+def _param_used(ptx: str, pname: str) -> bool:
+    body = ptx[_ENTRY.search(ptx).end():]
+    return re.search(r"\[\s*" + re.escape(pname) + r"\s*(\+\s*\d+\s*)?\]", body) is not None
+
+
+def strip_hidden_params(ptx: str, n_user: int) -> tuple[str, list[tuple[str, str]]]:
+    """Drop the entry parameters after the first `n_user` (Triton's scratch pointers); they must be unused."""
+    name, params = entry_params(ptx)
+    if len(params) < n_user:
+        raise ValueError(f"{name}: PTX entry has {len(params)} parameters, fewer than the {n_user} of the launch ABI")
+    hidden = params[n_user:]
+    for typ, pname in hidden:
+        if typ != ".u64":
+            raise ValueError(f"{name}: unexpected trailing parameter {typ} {pname} (not a scratch pointer)")
+        if _param_used(ptx, pname):
+            raise ValueError(f"{name}: hidden parameter {pname} is used by the kernel (it needs scratch memory)")
+    if not hidden:
+        return ptx, []
+    m = _ENTRY.search(ptx)
+    lines = [ln for ln in m.group(2).split("\n") if ln.strip()]
+    keep = [ln for ln in lines if not any(re.search(r"\b" + re.escape(p) + r"\b", ln) for _, p in hidden)]
+    keep[-1] = keep[-1].rstrip().rstrip(",")
+    new_head = ptx[m.start():m.start(2)] + "\n" + "\n".join(keep) + "\n"
+    return ptx[:m.start()] + new_head + ptx[m.end(2):], hidden
+
+
+def expected_ptx_types(signature: dict[str, str]) -> list[str]:
+    return [".u64" if t.startswith("*") else ".u32" for t in signature.values()]
+
+
+def compile_variant(v: Variant, arch: int, fp_fusion: bool = launch.FP_FUSION) -> CompiledPTX:
+    """PTX for one variant and GPU architecture (e.g. 90), hidden parameters stripped, ABI checked."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(f"clover_export.plugins.triton.{v.module}"), v.kernel)
+    runtime = [p.name for p in fn.params if not p.is_constexpr]
+    if len(runtime) != len(v.signature):
+        raise ValueError(f"{v.key}: kernel {v.kernel} takes {len(runtime)} runtime parameters, the ABI lists {len(v.signature)}")
+    sig = dict(zip(runtime, v.signature.values()))  # ABI names -> the kernel's own parameter names, by position
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=dict(v.constexprs), attrs=attrs)
+    opts = dict(v.options, enable_fp_fusion=fp_fusion, ptx_version=launch.PTX_VERSION.get(arch, 84))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    md = compiled.metadata
+    for what in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(md, what, 0):
+            raise ValueError(f"{v.key} sm_{arch}: needs {what}={getattr(md, what)} (TensorRT passes no scratch)")
+    ptx, hidden = strip_hidden_params(compiled.asm["ptx"], len(v.signature))
+    name, params = entry_params(ptx)
+    got = [t for t, _ in params]
+    want = expected_ptx_types(v.signature)
+    if got != want:
+        raise ValueError(f"{v.key} sm_{arch}: PTX entry types {got} != launch ABI {want}")
+    return CompiledPTX(v.key, arch, name, ptx, params, hidden, int(md.shared), int(md.num_warps))
+
+
+# ------------------------------------------------------------------ variants
+def _dt(name: str) -> str:
+    return launch.TRITON_TYPES[name]
+
+
+def gdn_variant(cfg, dtype: str = "bfloat16", param_dtype: str | None = None, block_size: int | None = None,
+                **kw) -> Variant:
+    """BlockGDN for a config (`CloverConfig`-like: linear_* sizes); params (A_log, ...) default to `dtype`."""
+    n = cfg.block_size if block_size is None else block_size
+    return gdn_variant_for(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                           cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, n, dtype, param_dtype, **kw)
+
+
+def gdn_variant_for(hk: int, hv: int, dk: int, dv: int, kconv: int, block_size: int, dtype: str = "bfloat16",
+                    param_dtype: str | None = None, **kw) -> Variant:
+    kw.setdefault("dot_precision", launch.gdn_dot_precision(dtype))
+    consts = launch.gdn_constexprs(hk, hv, dk, dv, kconv, block_size, **kw)
+    p = param_dtype or dtype
+    dtypes = {t: dtype for t in launch.GDN_ABI.inputs + launch.GDN_ABI.outputs}
+    dtypes.update({name: p for name in launch.GDN_PARAMS})
+    dtypes.update({"rec_pool": "float32", "rec_pool_out": "float32", "slot_ids": "int32", "n_causal": "int32"})
+    return Variant(f"BlockGDN.{_dt(dtype)}.p{_dt(p)}", "gdn", launch.GDN_ABI.kernel, launch.GDN_ABI.signature(dtypes),
+                   consts, launch.gdn_launch(consts), "(B, Hk, 1)")
+
+
+def attention_variant(cfg, dtype: str = "bfloat16", block_size: int | None = None, arch: int = 90) -> Variant:
+    n = cfg.block_size if block_size is None else block_size
+    return attention_variant_for(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, n,
+                                 cfg.head_dim ** -0.5, dtype, arch)
+
+
+def attention_variant_for(h: int, hkv: int, hd: int, block_size: int, scale: float, dtype: str = "bfloat16",
+                          arch: int = 90) -> Variant:
+    consts = launch.attention_constexprs(h, hkv, hd, block_size, scale, dtype, arch)
+    dtypes = {t: dtype for t in launch.ATTENTION_ABI.inputs + launch.ATTENTION_ABI.outputs}
+    dtypes.update({"slot_ids": "int32", "past_len": "int32", "n_causal": "int32"})
+    return Variant(f"BlockAttention.{_dt(dtype)}", "attention", launch.ATTENTION_ABI.kernel,
+                   launch.ATTENTION_ABI.signature(dtypes), consts, launch.attention_launch(arch, dtype),
+                   "(cdiv(T * H/Hkv, BLOCK_M), B * Hkv, 1)")
+
+
+def moe_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: int | None = None,
+                 arch: int = 90, block_m: int = 16) -> list[Variant]:
+    """The CoresetMoE kernels (the op is several launches: TensorRT runs it through its JIT path)."""
+    n = cfg.block_size if block_size is None else block_size
+    a, w = _dt(dtype), ("fp8e4nv" if fp8 else _dt(dtype))
+    tag = f"{a}.{'fp8' if fp8 else a}"
+    rc = launch.moe_route_constexprs(cfg.num_experts, cfg.num_experts_per_tok, n, cfg.moe_block_coreset_top_p,
+                                     cfg.moe_block_coreset_enabled)
+    gu, dn, opts = launch.moe_gemm_constexprs(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                                              block_m, fp8, dtype, arch)
+    return [
+        Variant(f"CoresetMoE.route.{a}", "moe", "moe_route_kernel",
+                {"logits": f"*{a}", "T": "i32", "idx": "*i32", "w": f"*{a}", "distinct": "*i32"}, rc,
+                launch.MOE_ROUTE_LAUNCH, "(B, 1 + cdiv(T - N, BT), 1)"),
+        Variant(f"CoresetMoE.gate_up.{tag}", "moe", "moe_gate_up_kernel",
+                {"x": f"*{a}", "gate_up": f"*{w}", "gate_up_scale": "*fp32", "offsets": "*i32", "order": "*i64",
+                 "h": f"*{a}"}, gu, opts, "(E, cdiv(I, BLOCK_N), 1)"),
+        Variant(f"CoresetMoE.down.{tag}", "moe", "moe_down_kernel",
+                {"h": f"*{a}", "down": f"*{w}", "down_scale": "*fp32", "w": f"*{a}", "offsets": "*i32",
+                 "order": "*i64", "y": f"*{a}"}, dn, opts, "(E, cdiv(D, BLOCK_N), 1)"),
+        Variant(f"CoresetMoE.combine.{a}", "moe", "moe_combine_kernel",
+                {"y": f"*{a}", "idx": "*i32", "out": f"*{a}"},
+                dict(D=cfg.hidden_size, E=cfg.num_experts, K=cfg.num_experts_per_tok,
+                     KP=launch.next_pow2(cfg.num_experts_per_tok), BLOCK_D=256),
+                launch.MOE_SMALL_LAUNCH, "(B*T, cdiv(D, 256), 1)"),
+    ]
+
+
+def trt_variants(cfg, arch: int) -> list[Variant]:
+    """The single-kernel plugins TensorRT launches from PTX (BlockGDN, BlockAttention), BF16 graphs."""
+    return [gdn_variant(cfg, "bfloat16"), gdn_variant(cfg, "bfloat16", "float32"),
+            attention_variant(cfg, "bfloat16", arch=arch)]
+
+
+def all_variants(cfg, arch: int) -> list[Variant]:
+    out = trt_variants(cfg, arch) + moe_variants(cfg, "bfloat16", False, arch=arch)
+    if arch in launch.FP8_ARCHS:
+        out += [v for v in moe_variants(cfg, "bfloat16", True, arch=arch) if ".fp8" in v.key]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Write the plugin kernels' AOT PTX (hidden params stripped) and a manifest.")
+    ap.add_argument("--out", required=True, type=Path, help="output folder")
+    ap.add_argument("--arch", type=int, action="append", help="SM architecture(s), e.g. 90 (default: all supported)")
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny config instead of Clover-35B-A3B sizes")
+    ap.add_argument("--trt-only", action="store_true", help="only the single-kernel plugins TensorRT launches from PTX")
+    args = ap.parse_args(argv)
+    from clover_export.config import CloverConfig
+
+    if args.tiny:
+        from clover_export.tiny import tiny_config
+        cfg = tiny_config()
+    else:
+        cfg = CloverConfig(layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4)
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest = []
+    for arch in args.arch or launch.ARCHS:
+        for v in (trt_variants(cfg, arch) if args.trt_only else all_variants(cfg, arch)):
+            c = compile_variant(v, arch)
+            fname = f"{v.key}.sm{arch}.ptx"
+            tmp = args.out / (fname + ".tmp")
+            tmp.write_text(c.ptx)
+            tmp.replace(args.out / fname)
+            manifest.append(dict(c.manifest(), file=fname, signature=v.signature, constexprs=v.constexprs,
+                                 options=v.options, grid=v.grid))
+            print(f"sm_{arch} {v.key}: {c.name} params={len(c.params)} stripped={len(c.hidden)} shared={c.shared}")
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

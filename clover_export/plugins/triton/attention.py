@@ -1,0 +1,209 @@
+"""`clover::BlockAttention` in Triton (MODEL.md 4, 5.1; STEP_GRAPH.md 2).
+
+Semantics are those of `clover_export.model.attention.attention_core`. The
+query vectors of one (batch row, kv-head) are its T rows times the H/Hkv
+q-heads that share the kv-head (GQA), flattened and tiled by BLOCK_M, so K/V
+tiles are read once per tile of many queries. Keys form one virtual sequence
+per batch row: cache positions [0, L) where [past_len, past_len + n_causal)
+come from the step's own causal K/V (what the slot holds once they are
+written), then the block rows' K/V. Per query row a visibility limit masks
+it: causal row j sees positions < past_len + j + 1, block rows see
+< past_len + n_causal plus the whole block.
+
+Reads of the pool never touch [past_len, past_len + n_causal), which is
+exactly where the causal rows' K/V are written (by the programs of query
+tile 0, split 0), so the in-place update (aliased pools) cannot race.
+
+`block_attention_kernel`: one pass, the TensorRT AOT kernel.
+`block_attention_split_kernel` + `attention_combine_kernel`: flash-decoding
+split of the cached prefix over a grid axis, then a merge; used by the torch
+path when a pass alone would leave most of the GPU idle (batch 1, long prefix).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (keeps exp() NaN-free)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tile_setup(q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, pid_m, pid_bh,
+                H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    REP: tl.constexpr = H // HKV
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+    past = tl.load(past_len_ptr + b)
+    nc = tl.load(n_causal_ptr + b)
+    Tc = T - N
+    mi = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = mi < T * REP
+    row = mi // REP
+    head = kvh * REP + mi % REP
+    d = tl.arange(0, HDP)
+    d_ok = d < HD
+    q_off = ((b.to(tl.int64) * T + row) * H + head)[:, None] * HD + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    causal = row < Tc
+    limit = tl.minimum(tl.where(causal, past + row + 1, past + nc), L)  # visible cache positions < limit
+    limit = tl.where(m_ok, limit, 0)
+    hi = tl.max(limit, axis=0)
+    return b, kvh, slot, past, nc, Tc, row, head, m_ok, causal, limit, hi, q, q_off, d, d_ok
+
+
+@triton.jit
+def _attend_cache(acc, m_i, l_i, q, k_ptr, v_ptr, kp_ptr, vp_ptr, b, kvh, slot, past, nc, T, L, limit,
+                  start, stop, d, d_ok,
+                  HKV: tl.constexpr, HD: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """Online softmax over cache positions [start, stop)."""
+    pool_base = (slot * HKV + kvh) * L
+    for n0 in range(start, stop, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        live = pos < stop
+        in_step = (pos >= past) & (pos < past + nc)
+        pm = (live & ~in_step)[:, None] & d_ok[None, :]
+        sm = (live & in_step)[:, None] & d_ok[None, :]
+        p_off = (pool_base + pos)[:, None] * HD + d[None, :]
+        s_off = ((b.to(tl.int64) * T + (pos - past)) * HKV + kvh)[:, None] * HD + d[None, :]
+        kt = tl.load(kp_ptr + p_off, mask=pm, other=0.0) + tl.load(k_ptr + s_off, mask=sm, other=0.0)
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * (SCALE * _LOG2E)
+        s = tl.where(pos[None, :] < limit[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(vp_ptr + p_off, mask=pm, other=0.0) + tl.load(v_ptr + s_off, mask=sm, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, k_ptr, v_ptr, b, kvh, T, Tc, causal, d, d_ok,
+                  HKV: tl.constexpr, HD: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, SCALE: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """The block rows' own K/V: visible to block rows only (bidirectional)."""
+    s_idx = tl.arange(0, BN)
+    s_ok = s_idx < N
+    off = ((b.to(tl.int64) * T + Tc + s_idx) * HKV + kvh)[:, None] * HD + d[None, :]
+    msk = s_ok[:, None] & d_ok[None, :]
+    kt = tl.load(k_ptr + off, mask=msk, other=0.0)
+    s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * (SCALE * _LOG2E)
+    s = tl.where(~causal[:, None] & s_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    vt = tl.load(v_ptr + off, mask=msk, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, kvh, slot, past, nc, T, L, d, d_ok,
+                     HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Causal rows j < n_causal go to cache position past_len + j (if inside the pool)."""
+    for j0 in range(0, nc, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        ok = (j < nc) & (past + j < L)
+        msk = ok[:, None] & d_ok[None, :]
+        src = ((b.to(tl.int64) * T + j) * HKV + kvh)[:, None] * HD + d[None, :]
+        dst = ((slot * HKV + kvh) * L + past + j)[:, None] * HD + d[None, :]
+        tl.store(ko_ptr + dst, tl.load(k_ptr + src, mask=msk, other=0.0), mask=msk)
+        tl.store(vo_ptr + dst, tl.load(v_ptr + src, mask=msk, other=0.0), mask=msk)
+
+
+@triton.jit
+def block_attention_kernel(
+    q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr,
+    T, L,
+    o_ptr, ko_ptr, vo_ptr,
+    H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+    SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Grid (cdiv(T * H/Hkv, BLOCK_M), B * Hkv): one pass over the visible prefix, then the block."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, kvh, slot, past, nc, Tc, row, head, m_ok, causal, limit, hi, q, q_off, d, d_ok = _tile_setup(
+        q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, pid_m, pid_bh, H, HKV, HD, HDP, N, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, HDP], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_cache(acc, m_i, l_i, q, k_ptr, v_ptr, kp_ptr, vp_ptr, b, kvh, slot, past, nc, T, L,
+                                  limit, 0, hi, d, d_ok, HKV, HD, SCALE, BLOCK_N, DOT_PREC)
+    if N > 0:
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptr, v_ptr, b, kvh, T, Tc, causal, d, d_ok,
+                                      HKV, HD, N, BN, SCALE, DOT_PREC)
+    l_i = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + q_off, o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if pid_m == 0:
+        _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, kvh, slot, past, nc, T, L, d, d_ok, HKV, HD, BLOCK_N)
+
+
+@triton.jit
+def block_attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr,
+    T, L,
+    acc_ptr, ml_ptr, ko_ptr, vo_ptr,
+    H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+    SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Grid (m tiles, B * Hkv, SPLITS): split s takes one slice of the visible prefix; the last also the block.
+
+    Writes unnormalised partials: acc [SPLITS, B, T, H, HDP] fp32, (m, l) [SPLITS, B, T, H, 2] fp32.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    sp = tl.program_id(2)
+    b, kvh, slot, past, nc, Tc, row, head, m_ok, causal, limit, hi, q, q_off, d, d_ok = _tile_setup(
+        q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, pid_m, pid_bh, H, HKV, HD, HDP, N, BLOCK_M)
+    per = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per
+    stop = tl.minimum(start + per, hi)
+    acc = tl.zeros([BLOCK_M, HDP], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_cache(acc, m_i, l_i, q, k_ptr, v_ptr, kp_ptr, vp_ptr, b, kvh, slot, past, nc, T, L,
+                                  limit, start, stop, d, d_ok, HKV, HD, SCALE, BLOCK_N, DOT_PREC)
+    if N > 0:
+        if sp == SPLITS - 1:
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptr, v_ptr, b, kvh, T, Tc, causal, d, d_ok,
+                                          HKV, HD, N, BN, SCALE, DOT_PREC)
+    B = tl.num_programs(1) // HKV
+    qrow = (b.to(tl.int64) * T + row) * H + head  # [BLOCK_M]
+    part = sp.to(tl.int64) * B * T * H + qrow
+    tl.store(acc_ptr + part[:, None] * HDP + d[None, :], acc, mask=m_ok[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=m_ok)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
+    if pid_m == 0:
+        if sp == 0:
+            _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, kvh, slot, past, nc, T, L, d, d_ok, HKV, HD, BLOCK_N)
+
+
+@triton.jit
+def attention_combine_kernel(acc_ptr, ml_ptr, o_ptr, R, HD: tl.constexpr, HDP: tl.constexpr,
+                             SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Merge SPLITS partials of R = B*T*H query rows into o [R, HD]."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    d = tl.arange(0, HDP)
+    m_all = tl.full([BLOCK_R], _NEG, dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        m_all = tl.maximum(m_all, tl.load(ml_ptr + (s * R + r) * 2, mask=r_ok, other=_NEG))
+    num = tl.zeros([BLOCK_R, HDP], dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = s * R + r
+        w = tl.exp2(tl.load(ml_ptr + part * 2, mask=r_ok, other=_NEG) - m_all)
+        den += w * tl.load(ml_ptr + part * 2 + 1, mask=r_ok, other=0.0)
+        num += w[:, None] * tl.load(acc_ptr + part.to(tl.int64)[:, None] * HDP + d[None, :], mask=r_ok[:, None], other=0.0)
+    den = tl.where(den > 0, den, 1.0)
+    tl.store(o_ptr + r.to(tl.int64)[:, None] * HD + d[None, :], (num / den[:, None]).to(o_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (d < HD)[None, :])

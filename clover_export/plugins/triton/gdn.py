@@ -1,0 +1,244 @@
+"""`clover::BlockGDN` as one Triton kernel (MODEL.md 4, 5.2; STEP_GRAPH.md 2).
+
+Semantics, argument order and dtypes are those of `clover_export.model.gdn.gdn_core`.
+One program per (batch row, k-head): it owns every conv channel that k-head
+touches (its q and k channels and the v channels of its Hv/Hk v-heads), so it
+can read the slot's old conv state and write the new one in place with no
+other program racing on those channels (the pools alias on TensorRT). Inside,
+for each v-head and dv tile:
+
+- causal rows, in chunks of CC rows: causal conv from the slot's conv state,
+  SiLU (model-dtype rounding as upstream), L2-normalised q/k, beta, g, then
+  the chunked gated delta rule in WY form; (I + A)^-1 for the strictly lower
+  triangular A is applied as the product (I - A)(I + A^2)(I + A^4)... (A is
+  nilpotent), all with `tl.dot`;
+- block rows: the [assumed] block mixer of MODEL.md 5.2 in fp32 (causal +
+  anti-causal conv, prefix read-out, innovation, block softmax, gate) from
+  the state after the causal rows; block rows write nothing;
+- the recurrent state after the causal rows goes back into the slot.
+
+The conv state is written last, after a barrier, once every read of it in
+this program is done.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softplus(x):
+    # torch.nn.functional.softplus (beta 1, threshold 20)
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _conv_causal_rows(m_ptr, st_ptr, w_ptr, rows, Tc, chans, cmask, C: tl.constexpr, KCONV: tl.constexpr):
+    """Causal conv of causal rows `rows` (< Tc valid) over channels `chans`, model-dtype weights.
+
+    Tap KCONV-1 multiplies the current row; earlier taps read earlier causal
+    rows or, before row 0, the slot's conv state (its column KCONV-1+p).
+    Returns the fp32 accumulator [R, CH].
+    """
+    dt = m_ptr.dtype.element_ty
+    acc = tl.zeros([rows.shape[0], chans.shape[0]], dtype=tl.float32)
+    live = (rows < Tc)[:, None] & cmask[None, :]
+    for j in range(KCONV):
+        p = rows - (KCONV - 1) + j
+        xm = tl.load(m_ptr + p[:, None] * C + chans[None, :], mask=live & (p >= 0)[:, None], other=0.0)
+        xs = tl.load(st_ptr + chans[None, :] * (KCONV - 1) + (KCONV - 1 + p)[:, None],
+                     mask=live & (p < 0)[:, None], other=0.0)
+        w = tl.load(w_ptr + chans * KCONV + j, mask=cmask, other=0.0).to(dt).to(tl.float32)
+        acc += (xm.to(tl.float32) + xs.to(tl.float32)) * w[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_block_rows(m_ptr, st_ptr, w_ptr, wr_ptr, rows, N: tl.constexpr, Tc, nc, chans, cmask,
+                     C: tl.constexpr, KCONV: tl.constexpr):
+    """[assumed] block conv (MODEL.md 5.2 step 1) in fp32, before SiLU.
+
+    Causal taps read the history after the step's valid causal rows (the new
+    conv state); anti-causal taps read later block rows, zero past the end.
+    """
+    acc = tl.zeros([rows.shape[0], chans.shape[0]], dtype=tl.float32)
+    live = (rows < N)[:, None] & cmask[None, :]
+    for j in range(KCONV):
+        p = rows - (KCONV - 1) + j  # block-relative position read by the causal tap
+        vp = nc + p  # position in the causal run when before the block
+        xb = tl.load(m_ptr + (Tc + p)[:, None] * C + chans[None, :], mask=live & (p >= 0)[:, None], other=0.0)
+        xc = tl.load(m_ptr + vp[:, None] * C + chans[None, :], mask=live & ((p < 0) & (vp >= 0))[:, None], other=0.0)
+        xs = tl.load(st_ptr + chans[None, :] * (KCONV - 1) + (KCONV - 1 + vp)[:, None],
+                     mask=live & (vp < 0)[:, None], other=0.0)
+        w = tl.load(w_ptr + chans * KCONV + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += (xb.to(tl.float32) + xc.to(tl.float32) + xs.to(tl.float32)) * w[None, :]
+        pr = rows + j  # anti-causal tap j
+        xr = tl.load(m_ptr + (Tc + pr)[:, None] * C + chans[None, :], mask=live & (pr < N)[:, None], other=0.0)
+        wr = tl.load(wr_ptr + chans * KCONV + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += xr.to(tl.float32) * wr[None, :]
+    return acc
+
+
+@triton.jit
+def _silu_rounded(acc, dt: tl.constexpr):
+    """Upstream causal path: conv output in the model dtype, SiLU in the model dtype."""
+    x = acc.to(dt).to(tl.float32)
+    return (x * tl.sigmoid(x)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _causal_act(m_ptr, st_ptr, w_ptr, rows, Tc, chans, cmask, C: tl.constexpr, KCONV: tl.constexpr, dt: tl.constexpr):
+    return _silu_rounded(_conv_causal_rows(m_ptr, st_ptr, w_ptr, rows, Tc, chans, cmask, C, KCONV), dt)
+
+
+@triton.jit
+def _silu_f32(x):
+    return x * tl.sigmoid(x)
+
+
+@triton.jit
+def _l2norm(x):
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def block_gdn_kernel(
+    # inputs (contract order)
+    mixed_ptr, a_ptr, b_ptr, conv_w_ptr, conv_wr_ptr, A_log_ptr, dt_bias_ptr, bscale_ptr, bgate_ptr,
+    conv_pool_ptr, rec_pool_ptr, slot_ids_ptr, n_causal_ptr,
+    # int32 scalars
+    T,
+    # outputs
+    o_ptr, conv_out_ptr, rec_out_ptr,
+    # compile-time sizes
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KCONV: tl.constexpr,
+    N: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, CC: tl.constexpr, LOG2_CC: tl.constexpr,
+    BN: tl.constexpr, KM1P: tl.constexpr, Q_SCALE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    REP: tl.constexpr = HV // HK
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    KM1: tl.constexpr = KCONV - 1
+    dt = mixed_ptr.dtype.element_ty
+    pid_b = tl.program_id(0)
+    kh = tl.program_id(1)
+    slot = tl.load(slot_ids_ptr + pid_b).to(tl.int64)
+    nc = tl.load(n_causal_ptr + pid_b)
+    Tc = T - N
+
+    m_base = mixed_ptr + pid_b.to(tl.int64) * T * C
+    st_base = conv_pool_ptr + slot * C * KM1
+    dk = tl.arange(0, DKP)
+    dk_ok = dk < DK
+    q_ch = kh * DK + dk
+    k_ch = HK * DK + kh * DK + dk
+    dvv = tl.arange(0, BV)
+
+    rr = tl.arange(0, CC)
+    tri_incl = rr[:, None] >= rr[None, :]
+    tri_strict = rr[:, None] > rr[None, :]
+    rb = tl.arange(0, BN)
+    rb_ok = rb < N
+
+    for r in range(REP):
+        h = kh * REP + r
+        A_h = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+        dtb_h = tl.load(dt_bias_ptr + h).to(tl.float32)
+        for v0 in range(0, DV, BV):
+            v_col = v0 + dvv
+            v_ok = v_col < DV
+            v_ch = 2 * HK * DK + h * DV + v_col
+            s_ptrs = (slot * HV + h) * DK * DV + dk[:, None] * DV + v_col[None, :]
+            s_mask = dk_ok[:, None] & v_ok[None, :]
+            S = tl.load(rec_pool_ptr + s_ptrs, mask=s_mask, other=0.0)
+
+            # ---- causal rows: chunked gated delta rule (MODEL.md 4) ----
+            for c0 in range(0, Tc, CC):
+                rows = c0 + rr
+                row_ok = rows < Tc
+                valid = rows < nc
+                q = _l2norm(_causal_act(m_base, st_base, conv_w_ptr, rows, Tc, q_ch, dk_ok, C, KCONV, dt))
+                k = _l2norm(_causal_act(m_base, st_base, conv_w_ptr, rows, Tc, k_ch, dk_ok, C, KCONV, dt))
+                v = _causal_act(m_base, st_base, conv_w_ptr, rows, Tc, v_ch, v_ok, C, KCONV, dt)
+                q = tl.where(row_ok[:, None], q * Q_SCALE, 0.0)
+                k = tl.where(row_ok[:, None], k, 0.0)
+                v = tl.where(row_ok[:, None], v, 0.0)
+                gi = (pid_b.to(tl.int64) * T + rows) * HV + h
+                bv = tl.load(b_ptr + gi, mask=row_ok, other=0.0).to(tl.float32)
+                beta = tl.where(valid, tl.sigmoid(bv).to(dt).to(tl.float32), 0.0)
+                av = tl.load(a_ptr + gi, mask=row_ok, other=0.0).to(tl.float32)
+                g = tl.where(valid, -A_h * _softplus(av + dtb_h), 0.0)
+                G = tl.cumsum(g, axis=0)
+                decay = tl.where(tri_incl, tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0)), 0.0)
+                kk = tl.dot(k, tl.trans(k), input_precision=DOT_PREC)
+                A = tl.where(tri_strict, beta[:, None] * kk * decay, 0.0)
+                kS = tl.dot(k, S, input_precision=DOT_PREC)
+                # v_new = (I + A)^-1 beta (v - exp(G) k S)
+                x = beta[:, None] * (v - tl.exp(G)[:, None] * kS)
+                x = x - tl.dot(A, x, input_precision=DOT_PREC)
+                P = tl.dot(A, A, input_precision=DOT_PREC)
+                for _ in range(LOG2_CC - 1):
+                    x = x + tl.dot(P, x, input_precision=DOT_PREC)
+                    P = tl.dot(P, P, input_precision=DOT_PREC)
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * decay
+                o = (tl.dot(q * tl.exp(G)[:, None], S, input_precision=DOT_PREC)
+                     + tl.dot(qk, x, input_precision=DOT_PREC))
+                o_ptrs = o_ptr + ((pid_b.to(tl.int64) * T + rows) * HV + h)[:, None] * DV + v_col[None, :]
+                tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
+                G_last = tl.sum(g, axis=0)
+                kw = k * tl.exp(G_last - G)[:, None]
+                S = S * tl.exp(G_last) + tl.dot(tl.trans(kw), x, input_precision=DOT_PREC)
+
+            # ---- block rows: [assumed] block mixer (MODEL.md 5.2), fp32 ----
+            if N > 0:
+                qb = tl.where(rb_ok[:, None], _l2norm(_silu_f32(_conv_block_rows(
+                    m_base, st_base, conv_w_ptr, conv_wr_ptr, rb, N, Tc, nc, q_ch, dk_ok, C, KCONV))), 0.0)
+                kb = tl.where(rb_ok[:, None], _l2norm(_silu_f32(_conv_block_rows(
+                    m_base, st_base, conv_w_ptr, conv_wr_ptr, rb, N, Tc, nc, k_ch, dk_ok, C, KCONV))), 0.0)
+                vb = tl.where(rb_ok[:, None], _silu_f32(_conv_block_rows(
+                    m_base, st_base, conv_w_ptr, conv_wr_ptr, rb, N, Tc, nc, v_ch, v_ok, C, KCONV)), 0.0)
+                gib = (pid_b.to(tl.int64) * T + Tc + rb) * HV + h
+                bv = tl.load(b_ptr + gib, mask=rb_ok, other=0.0).to(tl.float32)
+                beta_b = tl.where(rb_ok, tl.sigmoid(bv).to(dt).to(tl.float32), 0.0)
+                av = tl.load(a_ptr + gib, mask=rb_ok, other=0.0).to(tl.float32)
+                g_b = tl.where(rb_ok, -A_h * _softplus(av + dtb_h), 0.0)
+                eG = tl.exp(tl.cumsum(g_b, axis=0))
+                o_pre = tl.dot(qb, S, input_precision=DOT_PREC) * (Q_SCALE * eG[:, None])
+                v_in = vb - eG[:, None] * tl.dot(kb, S, input_precision=DOT_PREC)
+                bscale = tl.load(bscale_ptr + h).to(tl.float32)
+                sc = tl.dot(qb, tl.trans(kb), input_precision=DOT_PREC) * bscale
+                sc = tl.where(rb_ok[None, :], sc, float("-inf"))
+                pr = tl.exp(sc - tl.max(sc, axis=1)[:, None])
+                pr = pr / tl.sum(pr, axis=1)[:, None]
+                o_blk = tl.dot(pr, beta_b[:, None] * v_in, input_precision=DOT_PREC)
+                gate = tl.sigmoid(tl.load(bgate_ptr + h).to(tl.float32))
+                ob = o_pre + gate * o_blk
+                ob_ptrs = o_ptr + ((pid_b.to(tl.int64) * T + Tc + rb) * HV + h)[:, None] * DV + v_col[None, :]
+                tl.store(ob_ptrs, ob.to(o_ptr.dtype.element_ty), mask=rb_ok[:, None] & v_ok[None, :])
+
+            tl.debug_barrier()
+            tl.store(rec_out_ptr + s_ptrs, S, mask=s_mask)
+
+    # ---- new conv state: the last K-1 valid pre-conv rows (after every read above) ----
+    jj = tl.arange(0, KM1P)
+    j_ok = jj < KM1
+    hist = nc + jj  # index into [old state (K-1 columns), causal rows]
+    from_state = hist < KM1
+    for part in tl.static_range(2):  # q channels, then k channels
+        _copy_conv_state(m_base, st_base, conv_out_ptr + slot * C * KM1, part * HK * DK + kh * DK + dk, dk_ok,
+                         hist, from_state, j_ok, jj, C, KM1)
+    for r in range(REP):
+        for v0 in range(0, DV, DKP):
+            col = v0 + dk
+            _copy_conv_state(m_base, st_base, conv_out_ptr + slot * C * KM1, 2 * HK * DK + (kh * REP + r) * DV + col,
+                             col < DV, hist, from_state, j_ok, jj, C, KM1)
+
+
+@triton.jit
+def _copy_conv_state(m_base, st_base, out_base, ch, cm, hist, from_state, j_ok, jj, C: tl.constexpr, KM1: tl.constexpr):
+    msk = cm[:, None] & j_ok[None, :]
+    old = tl.load(st_base + ch[:, None] * KM1 + hist[None, :], mask=msk & from_state[None, :], other=0.0)
+    new = tl.load(m_base + (hist - KM1)[None, :] * C + ch[:, None], mask=msk & ~from_state[None, :], other=0.0)
+    val = tl.where(from_state[None, :], old, new)
+    tl.debug_barrier()  # the shift reads columns other threads write
+    tl.store(out_base + ch[:, None] * KM1 + jj[None, :], val.to(out_base.dtype.element_ty), mask=msk)

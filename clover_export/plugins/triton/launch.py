@@ -1,0 +1,202 @@
+"""Every launch decision of the plugin kernels, as plain functions (STEP_GRAPH.md 4, 5).
+
+No torch, triton or tensorrt import: the torch wrappers (`ops.py`), the AOT
+compiler (`aot.py`) and the TensorRT registration (`plugins/trt`) all read
+these, so the grid, the kernel argument list and the compile-time sizes have
+one definition, tested without a GPU.
+
+Kernel ABI (what TensorRT's AOT launch passes, in order): one pointer per
+op input, then int32 scalars taken from input dimensions, then one pointer
+per op output. Aliased outputs (the cache pools) get their own pointer; on
+TensorRT and in the torch in-place path it is the input's buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, OpContract
+
+# dtype spellings: contract / torch name -> Triton signature type
+TRITON_TYPES = {
+    "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32",
+    "float8_e4m3fn": "fp8e4nv",
+}
+FP_FUSION = True  # passed explicitly to every AOT compile (Triton 3.10 flips the default)
+PTX_VERSION = {80: 84, 89: 84, 90: 84, 100: 86}  # PTX ISA per target: 8.4 needs a CUDA 12.4+ driver, 8.6 (sm_100) 12.8+
+ARCHS = (80, 89, 90, 100)
+FP8_ARCHS = (89, 90, 100)  # e4m3 in hardware from Ada on
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@dataclass(frozen=True)
+class KernelABI:
+    """A kernel's runtime parameters in launch order (constexprs excluded)."""
+
+    kernel: str  # attribute name of the @triton.jit function in plugins/triton
+    module: str  # module under clover_export.plugins.triton
+    inputs: tuple[str, ...]  # pointer per op input
+    scalars: tuple[tuple[str, str, int], ...]  # (name, input it is read from, dimension)
+    outputs: tuple[str, ...]  # pointer per op output
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return self.inputs + tuple(s[0] for s in self.scalars) + self.outputs
+
+    def signature(self, dtypes: dict[str, str]) -> dict[str, str]:
+        """Triton signature for tensor dtypes (contract dtype names, e.g. 'bfloat16') per op tensor name."""
+        sig = {}
+        for name in self.inputs + self.outputs:
+            sig[name] = "*" + TRITON_TYPES[dtypes[name]]
+        for name, _, _ in self.scalars:
+            sig[name] = "i32"
+        return {p: sig[p] for p in self.params}
+
+
+def _abi(contract: OpContract, kernel: str, module: str, scalars) -> KernelABI:
+    return KernelABI(kernel, module, tuple(t.name for t in contract.inputs), tuple(scalars),
+                     tuple(t.name for t in contract.outputs), dict(contract.aliases))
+
+
+GDN_PARAMS = ("conv_w", "conv_w_right", "A_log", "dt_bias", "block_scale", "block_gate")  # weights: model dtype or fp32
+GDN_ABI = _abi(BLOCK_GDN, "block_gdn_kernel", "gdn", [("T", "mixed_qkv", 1)])
+ATTENTION_ABI = _abi(BLOCK_ATTENTION, "block_attention_kernel", "attention",
+                     [("T", "q", 1), ("L", "key_pool", 2)])
+
+
+# ---------------------------------------------------------------- BlockGDN
+def gdn_dot_precision(dtype: str) -> str:
+    """fp32 tl.dot precision: TF32 for 16-bit models (register pressure: tf32x3 spills ~4 KB per thread on
+    sm_90 at Clover sizes, tf32 under 1 KB), 3xTF32 (~fp32) for fp32 graphs."""
+    return "tf32x3" if dtype == "float32" else "tf32"
+
+
+def gdn_constexprs(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
+                   block_size: int, chunk: int = 32, bv: int = 64, dot_precision: str = "tf32") -> dict:
+    """Compile-time sizes of `block_gdn_kernel` (padded to powers of two >= 16 for tl.dot)."""
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"BlockGDN: value heads {num_v_heads} not a multiple of key heads {num_k_heads}")
+    if not 2 <= conv_kernel <= 9:
+        raise ValueError(f"BlockGDN: conv kernel {conv_kernel} outside 2..9")
+    cc = max(16, next_pow2(chunk))
+    return dict(
+        HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, KCONV=conv_kernel, N=block_size,
+        DKP=max(16, next_pow2(head_k_dim)), BV=min(max(16, next_pow2(bv)), max(16, next_pow2(head_v_dim))),
+        CC=cc, LOG2_CC=cc.bit_length() - 1, BN=max(16, next_pow2(block_size)),
+        KM1P=next_pow2(conv_kernel - 1), Q_SCALE=float(head_k_dim) ** -0.5, DOT_PREC=dot_precision,
+    )
+
+
+def gdn_grid(B, num_k_heads: int) -> tuple:
+    """One program per (batch row, k-head): it owns all conv channels of that k-head."""
+    return (B, num_k_heads, 1)
+
+
+def gdn_launch(consts: dict, num_warps: int | None = None) -> dict:
+    """Warps by state-tile size; one stage (the chunk loop carries the state: nothing to prefetch)."""
+    return dict(num_warps=num_warps or (8 if consts["DKP"] * consts["BV"] >= 8192 else 4), num_stages=1)
+
+
+# ---------------------------------------------------------------- BlockAttention
+ATTENTION_TILES = {  # arch -> (BLOCK_M, BLOCK_N, num_warps, num_stages); sm_89 has ~99 KB of shared memory
+    80: (64, 64, 8, 2), 89: (64, 32, 8, 2), 90: (64, 64, 8, 2), 100: (64, 64, 8, 2),
+}
+ATTENTION_TILES_FP32 = (32, 32, 4, 1)  # fp32 graphs (validation): half the tile bytes
+
+
+def attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
+                         dtype: str, arch: int = 90, tiles: tuple | None = None) -> dict:
+    """`tiles` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the per-arch table (benchmark sweeps)."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"BlockAttention: heads {num_heads} not a multiple of kv heads {num_kv_heads}")
+    bm, bn, _, _ = tiles or _attention_tiles(arch, dtype)
+    return dict(
+        H=num_heads, HKV=num_kv_heads, HD=head_dim, HDP=max(16, next_pow2(head_dim)), N=block_size,
+        BN=max(16, next_pow2(block_size)), SCALE=float(scale), BLOCK_M=bm, BLOCK_N=bn,
+        DOT_PREC="ieee" if dtype == "float32" else "tf32",
+    )
+
+
+def _attention_tiles(arch: int, dtype: str) -> tuple:
+    return ATTENTION_TILES_FP32 if dtype == "float32" else ATTENTION_TILES.get(arch, ATTENTION_TILES[90])
+
+
+def attention_launch(arch: int = 90, dtype: str = "bfloat16", tiles: tuple | None = None) -> dict:
+    _, _, warps, stages = tiles or _attention_tiles(arch, dtype)
+    return dict(num_warps=warps, num_stages=stages)
+
+
+def attention_grid(B, T, consts: dict, splits: int = 1, cdiv=cdiv) -> tuple:
+    """(query tiles of T * H/Hkv vectors, batch rows x kv-heads, prefix splits); `cdiv` may be TensorRT's."""
+    rep = consts["H"] // consts["HKV"]
+    return (cdiv(T * rep, consts["BLOCK_M"]), B * consts["HKV"], splits)
+
+
+def attention_splits(B: int, T: int, L: int, consts: dict, num_sms: int) -> int:
+    """Prefix splits for the torch path: enough programs for ~2 waves, each split >= 1024 positions."""
+    base = attention_grid(B, T, consts)[0] * B * consts["HKV"]
+    if base >= num_sms or L < 2048:
+        return 1
+    return int(max(1, min(cdiv(2 * num_sms, base), L // 1024, 32)))
+
+
+# ---------------------------------------------------------------- CoresetMoE
+MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
+    80: dict(BLOCK_N1=64, BLOCK_K1=128, BLOCK_N2=64, BLOCK_K2=128, num_warps=4, num_stages=3),
+    89: dict(BLOCK_N1=64, BLOCK_K1=128, BLOCK_N2=64, BLOCK_K2=128, num_warps=4, num_stages=2),
+    90: dict(BLOCK_N1=64, BLOCK_K1=128, BLOCK_N2=64, BLOCK_K2=128, num_warps=4, num_stages=4),
+    100: dict(BLOCK_N1=64, BLOCK_K1=128, BLOCK_N2=64, BLOCK_K2=128, num_warps=4, num_stages=4),
+}
+
+
+MOE_ROUTE_LAUNCH = dict(num_warps=8, num_stages=1)  # [rows, E] fp32 tiles: 8 warps keep them out of local memory
+MOE_SMALL_LAUNCH = dict(num_warps=4, num_stages=1)  # combine kernel
+
+
+def moe_route_constexprs(num_experts: int, top_k: int, block_size: int, top_p: float, coreset: bool) -> dict:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"CoresetMoE: top_k {top_k} outside 1..{num_experts}")
+    return dict(E=num_experts, EP=next_pow2(num_experts), K=top_k, KP=next_pow2(top_k), N=block_size,
+                BNB=next_pow2(max(block_size, 1)), BT=16, TOP_P=float(top_p), CORESET=bool(coreset))
+
+
+def moe_block_m(pairs: int, num_experts: int) -> int:
+    """Pairs per tile: ~2x the mean pairs per expert, 16..64 (16 at decode: one tile per expert)."""
+    return int(min(64, max(16, next_pow2(cdiv(2 * pairs, num_experts)))))
+
+
+def moe_gemm_constexprs(hidden: int, inter: int, top_k: int, block_m: int, fp8: bool, dtype: str,
+                        arch: int = 90, tiles: dict | None = None) -> tuple[dict, dict, dict]:
+    """(gate_up constexprs, down constexprs, launch options); `tiles` overrides MOE_TILES entries."""
+    t = dict(MOE_TILES.get(arch, MOE_TILES[90]), **(tiles or {}))
+    if dtype == "float32" and not tiles:  # fp32 graphs (validation): half the K tile, two stages
+        t.update(BLOCK_K1=64, BLOCK_K2=64, num_stages=2)
+    prec = "ieee" if dtype == "float32" else "tf32"
+    bk1 = min(t["BLOCK_K1"], max(16, next_pow2(hidden)))
+    bk2 = min(t["BLOCK_K2"], max(16, next_pow2(inter)))
+    gu = dict(D=hidden, I=inter, K=top_k, HAS_SCALE=fp8, BLOCK_M=block_m,
+              BLOCK_N=min(t["BLOCK_N1"], max(16, next_pow2(inter))), BLOCK_K=bk1, DOT_PREC=prec)
+    dn = dict(D=hidden, I=inter, HAS_SCALE=fp8, BLOCK_M=block_m,
+              BLOCK_N=min(t["BLOCK_N2"], max(16, next_pow2(hidden))), BLOCK_K=bk2, DOT_PREC=prec)
+    return gu, dn, dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+
+
+def moe_route_grid(B: int, T: int, rc: dict) -> tuple:
+    """(batch rows, 1 block-rows program + causal row tiles)."""
+    return (B, 1 + cdiv(T - rc["N"], rc["BT"]), 1)
+
+
+def moe_grids(num_experts: int, B: int, T: int, gu: dict, dn: dict, block_d: int = 256) -> dict:
+    return {
+        "gate_up": (num_experts, cdiv(gu["I"], gu["BLOCK_N"]), 1),
+        "down": (num_experts, cdiv(dn["D"], dn["BLOCK_N"]), 1),
+        "combine": (B * T, cdiv(dn["D"], block_d), 1),
+    }

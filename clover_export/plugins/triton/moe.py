@@ -1,0 +1,214 @@
+"""`clover::CoresetMoE` in Triton (MODEL.md 4, 5.3; STEP_GRAPH.md 2).
+
+Semantics are those of `clover_export.model.moe.moe_core`. Four kernels, with
+torch glue between them (router logits `F.linear`, exactly as the reference
+computes them; one `torch.sort` of the (token, slot) pairs by expert id and
+`torch.searchsorted` for each expert's segment):
+
+1. `moe_route_kernel`, grid (batch rows, 1 + causal row tiles): router softmax (fp32),
+   plain top-k for causal rows; for block rows the block coreset (aggregate
+   top-k mass, experts ranked by it, shortest prefix reaching top_p of the
+   total, via one sort of (mass, id) keys) then top-min(k, |set|) within the
+   set; weights renormalised and cast to the model dtype; distinct experts
+   chosen by the block rows. Ties go to the lower expert id everywhere.
+2. `moe_gate_up_kernel`, grid (experts, I tiles): each program reads its
+   expert's segment of the sorted pairs (offsets from `torch.searchsorted`), streams its slice of
+   the gate and up rows once per BLOCK_M pairs, and writes silu(g) * u.
+3. `moe_down_kernel`, grid (experts, D tiles): down projection times the
+   routing weight, one row per (token, slot) pair.
+4. `moe_combine_kernel`: each token's k rows summed in fp32.
+
+Experts with no pair exit at once, so each selected expert's weights are
+read once per step (per BLOCK_M pairs). FP8 weights (e4m3, one fp32 scale per
+output channel) are widened to the activation dtype in registers; the scale
+multiplies the fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _topk(vals, e_idx, KP: tl.constexpr, K: tl.constexpr):
+    """Iterative top-K along axis 1 (ties: lowest index). vals must be > -2 where eligible."""
+    kcol = tl.arange(0, KP)
+    top_v = tl.full([vals.shape[0], KP], -4.0, dtype=tl.float32)
+    top_i = tl.zeros([vals.shape[0], KP], dtype=tl.int32)
+    picked = tl.zeros(vals.shape, dtype=tl.int1)
+    cur = vals
+    for j in range(K):  # a loop, not unrolled: keeps compile time down
+        mv = tl.max(cur, axis=1)
+        am = tl.argmax(cur, axis=1, tie_break_left=True).to(tl.int32)
+        hit = e_idx[None, :] == am[:, None]
+        top_v = tl.where(kcol[None, :] == j, mv[:, None], top_v)
+        top_i = tl.where(kcol[None, :] == j, am[:, None], top_i)
+        picked = picked | hit
+        cur = tl.where(hit, -3.0, cur)
+    return top_v, top_i, picked
+
+
+@triton.jit
+def _route_rows(logits_ptr, idx_ptr, w_ptr, row0, rows, row_ok, e_idx, e_ok, keep,
+                E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, RESTRICT: tl.constexpr):
+    """Softmax, top-k (restricted to `keep` if RESTRICT), renormalised weights; stores idx/w rows."""
+    msk = row_ok[:, None] & e_ok[None, :]
+    x = tl.load(logits_ptr + (row0 + rows)[:, None] * E + e_idx[None, :], mask=msk, other=0.0).to(tl.float32)
+    x = tl.where(e_ok[None, :], x, float("-inf"))
+    x = x - tl.max(x, axis=1)[:, None]
+    p = tl.exp(x)
+    p = p / tl.sum(p, axis=1)[:, None]
+    if RESTRICT:
+        masked = tl.where(keep[None, :], p, -1.0)
+    else:
+        masked = p
+    masked = tl.where(e_ok[None, :], masked, -3.5)
+    top_v, top_i, picked = _topk(masked, e_idx, KP, K)
+    kcol = tl.arange(0, KP)
+    ok = (top_v >= 0) & (kcol[None, :] < K)
+    wv = tl.where(ok, top_v, 0.0)
+    wv = wv / tl.sum(wv, axis=1)[:, None]
+    out = (row0 + rows)[:, None] * K + kcol[None, :]
+    smask = row_ok[:, None] & (kcol[None, :] < K)
+    tl.store(idx_ptr + out, tl.where(ok, top_i, E), mask=smask)
+    tl.store(w_ptr + out, wv.to(w_ptr.dtype.element_ty), mask=smask)
+    chosen = picked & (masked >= 0)  # picked and allowed
+    return p, picked, chosen
+
+
+@triton.jit
+def moe_route_kernel(logits_ptr, T, idx_ptr, w_ptr, distinct_ptr,
+                     E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, N: tl.constexpr,
+                     BNB: tl.constexpr, BT: tl.constexpr, TOP_P: tl.constexpr, CORESET: tl.constexpr):
+    """Grid (B, 1 + cdiv(T - N, BT)). logits [B, T, E] (model dtype) -> idx [B, T, K] int32 (E = none), w, distinct [B].
+
+    Program (b, 0) routes the block rows of batch row b (and writes distinct[b]);
+    program (b, j > 0) routes causal rows [(j-1) BT, j BT) with plain top-k.
+    """
+    b = tl.program_id(0)
+    part = tl.program_id(1)
+    Tc = T - N
+    e_idx = tl.arange(0, EP)
+    e_ok = e_idx < E
+    row0 = b.to(tl.int64) * T
+    no_keep = tl.zeros([EP], dtype=tl.int1)
+    if part > 0:
+        rows = (part - 1) * BT + tl.arange(0, BT)
+        _route_rows(logits_ptr, idx_ptr, w_ptr, row0, rows, rows < Tc, e_idx, e_ok, no_keep, E, K, KP, False)
+    else:
+        n_distinct = 0
+        if N > 0:
+            rb = tl.arange(0, BNB)
+            rb_ok = rb < N
+            if CORESET:
+                # aggregate top-k mass of every block position (MODEL.md 5.3 steps 1-2)
+                msk = rb_ok[:, None] & e_ok[None, :]
+                x = tl.load(logits_ptr + (row0 + Tc + rb)[:, None] * E + e_idx[None, :], mask=msk,
+                            other=0.0).to(tl.float32)
+                x = tl.where(e_ok[None, :], x, float("-inf"))
+                x = x - tl.max(x, axis=1)[:, None]
+                p = tl.exp(x)
+                p = p / tl.sum(p, axis=1)[:, None]
+                _, _, picked = _topk(tl.where(e_ok[None, :], p, -3.5), e_idx, KP, K)
+                agg = tl.sum(tl.where(picked & rb_ok[:, None], p, 0.0), axis=0)
+                # step 3: rank by (mass desc, id asc); keep the shortest prefix reaching top_p of the total
+                key = (agg.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - e_idx).to(tl.int64)
+                key = tl.where(e_ok, key, -1)
+                srt = tl.sort(key, descending=True)
+                sval = (srt >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                sval = tl.where(srt >= 0, sval, 0.0)
+                cum = tl.cumsum(sval, axis=0)
+                target = TOP_P * tl.max(cum, axis=0)
+                n_keep = tl.minimum(1 + tl.sum(tl.where((cum < target) & (e_idx < E - 1), 1, 0), axis=0), E)
+                key_last = tl.sum(tl.where(e_idx == n_keep - 1, srt, 0), axis=0)
+                keep = (key >= key_last) & e_ok
+                _, _, chosen = _route_rows(logits_ptr, idx_ptr, w_ptr, row0 + Tc, rb, rb_ok, e_idx, e_ok, keep,
+                                           E, K, KP, True)
+            else:
+                _, _, chosen = _route_rows(logits_ptr, idx_ptr, w_ptr, row0 + Tc, rb, rb_ok, e_idx, e_ok, no_keep,
+                                           E, K, KP, False)
+            used = tl.max(tl.where(chosen & rb_ok[:, None], 1, 0), axis=0)
+            n_distinct = tl.sum(used, axis=0)
+        tl.store(distinct_ptr + b, n_distinct)
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
+                       D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
+    """h[pair, n] = silu(x W_g[e]^T) * (x W_u[e]^T), model-dtype rounding as the reference."""
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    dt = x_ptr.dtype.element_ty
+    kk = tl.arange(0, BLOCK_K)
+    g_rows = e.to(tl.int64) * 2 * I + n
+    for m0 in range(lo, hi, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        r_ok = r < hi
+        pair = tl.load(order_ptr + r, mask=r_ok, other=0).to(tl.int64)
+        tok = pair // K
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k_ok = (k0 + kk) < D
+            xt = tl.load(x_ptr + tok[:, None] * D + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            wmask = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(gu_ptr + g_rows[:, None] * D + (k0 + kk)[None, :], mask=wmask, other=0.0)
+            wu = tl.load(gu_ptr + (g_rows + I)[:, None] * D + (k0 + kk)[None, :], mask=wmask, other=0.0)
+            acc_g = tl.dot(xt, tl.trans(wg.to(dt)), acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(xt, tl.trans(wu.to(dt)), acc_u, input_precision=DOT_PREC)
+        if HAS_SCALE:
+            acc_g = acc_g * tl.load(gu_scale_ptr + g_rows, mask=n_ok, other=0.0)[None, :]
+            acc_u = acc_u * tl.load(gu_scale_ptr + g_rows + I, mask=n_ok, other=0.0)[None, :]
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        h = (g * tl.sigmoid(g)).to(dt).to(tl.float32) * u
+        tl.store(h_ptr + pair[:, None] * I + n[None, :], h.to(dt), mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_down_kernel(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
+                    D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
+    """y[pair, n] = (h W_down[e]^T)[n] * routing weight, rounded like the reference."""
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < D
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    dt = h_ptr.dtype.element_ty
+    kk = tl.arange(0, BLOCK_K)
+    d_rows = e.to(tl.int64) * D + n
+    for m0 in range(lo, hi, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        r_ok = r < hi
+        pair = tl.load(order_ptr + r, mask=r_ok, other=0).to(tl.int64)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = (k0 + kk) < I
+            ht = tl.load(h_ptr + pair[:, None] * I + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            wd = tl.load(down_ptr + d_rows[:, None] * I + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(ht, tl.trans(wd.to(dt)), acc, input_precision=DOT_PREC)
+        if HAS_SCALE:
+            acc = acc * tl.load(down_scale_ptr + d_rows, mask=n_ok, other=0.0)[None, :]
+        wt = tl.load(w_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
+        y = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt)
+        tl.store(y_ptr + pair[:, None] * D + n[None, :], y, mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_combine_kernel(y_ptr, idx_ptr, out_ptr, D: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
+                       KP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum of the token's valid pair rows (fp32), cast to the model dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    j = tl.arange(0, KP)
+    ok = (j < K) & (tl.load(idx_ptr + t * K + j, mask=j < K, other=E) < E)
+    y = tl.load(y_ptr + (t * K + j)[:, None] * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+    tl.store(out_ptr + t * D + d, tl.sum(y.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty), mask=d < D)

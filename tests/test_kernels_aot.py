@@ -1,0 +1,153 @@
+"""Every plugin kernel compiles ahead of time to PTX for sm_80/89/90/100, with TensorRT's launch ABI (STEP_GRAPH.md 4, 5).
+
+TensorRT's AOT launch passes one pointer per input, the extra int32 scalars,
+one pointer per output; Triton appends hidden scratch pointers, which
+`strip_hidden_params` removes after checking they are unused. The PTX entry
+must then list exactly the launch ABI. No GPU needed.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # explicit before triton is imported (default flips in 3.10)
+
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from clover_export.config import CloverConfig  # noqa: E402
+from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN  # noqa: E402
+from clover_export.plugins.triton import aot, launch  # noqa: E402
+from clover_export.tiny import tiny_config  # noqa: E402
+
+SMEM_LIMIT = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}  # opt-in max per block
+REAL = CloverConfig(layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4)
+
+SYNTHETIC = """
+.version 8.4
+.target sm_90a
+.address_size 64
+.visible .entry k(
+	.param .u64 .ptr .global .align 1 k_param_0,
+	.param .u32 k_param_1,
+	.param .u64 .ptr .global .align 1 k_param_2,
+	.param .u64 .ptr .global .align 1 k_param_3,
+	.param .u64 .ptr .global .align 1 k_param_4
+)
+{
+	ld.param.u64 %rd1, [k_param_0];
+	ld.param.u32 %r1, [k_param_1];
+	ld.param.u64 %rd2, [k_param_2];
+	ret;
+}
+"""
+
+
+def test_strip_hidden_params_removes_unused_trailing_pointers():
+    ptx, hidden = aot.strip_hidden_params(SYNTHETIC, 3)
+    assert [p for _, p in hidden] == ["k_param_3", "k_param_4"]
+    name, params = aot.entry_params(ptx)
+    assert name == "k" and params == [(".u64", "k_param_0"), (".u32", "k_param_1"), (".u64", "k_param_2")]
+    assert "k_param_3" not in ptx and "k_param_2\n)" in ptx  # no dangling comma
+
+
+def test_strip_hidden_params_refuses_used_or_odd_parameters():
+    used = SYNTHETIC.replace("ret;", "ld.param.u64 %rd3, [k_param_4];\n\tret;")
+    with pytest.raises(ValueError, match="used by the kernel"):
+        aot.strip_hidden_params(used, 3)
+    with pytest.raises(ValueError, match="not a scratch pointer"):
+        aot.strip_hidden_params(SYNTHETIC, 1)  # param 1 is a .u32
+    with pytest.raises(ValueError, match="fewer than"):
+        aot.strip_hidden_params(SYNTHETIC, 6)
+
+
+def test_launch_abi_is_inputs_scalars_outputs():
+    assert launch.GDN_ABI.params == tuple(t.name for t in BLOCK_GDN.inputs) + ("T",) + tuple(t.name for t in BLOCK_GDN.outputs)
+    assert launch.ATTENTION_ABI.params == (tuple(t.name for t in BLOCK_ATTENTION.inputs) + ("T", "L")
+                                           + tuple(t.name for t in BLOCK_ATTENTION.outputs))
+    assert launch.GDN_ABI.aliases == {"conv_pool_out": "conv_pool", "rec_pool_out": "rec_pool"}
+
+
+def _check(c: aot.CompiledPTX, v: aot.Variant, arch: int):
+    assert c.name == v.kernel
+    assert [t for t, _ in c.params] == aot.expected_ptx_types(v.signature), v.key
+    # Triton 3.5+ appends two scratch pointers (global, profile); both must have been unused and stripped
+    assert [t for t, _ in c.hidden] == [".u64", ".u64"], (v.key, c.hidden)
+    assert re.search(rf"^\.target sm_{arch}a?\b", c.ptx, re.M), v.key
+    want = launch.PTX_VERSION[arch]
+    assert re.search(rf"^\.version {want // 10}\.{want % 10}$", c.ptx, re.M), v.key
+    assert 0 <= c.shared <= SMEM_LIMIT[arch], (v.key, c.shared)
+    assert c.block == v.options["num_warps"] * 32
+
+
+@pytest.mark.slow
+def test_tiny_variants_compile_for_sm90():
+    cfg = tiny_config()
+    variants = aot.all_variants(cfg, 90)
+    assert any(".fp8" in v.key for v in variants)
+    for v in variants:
+        _check(aot.compile_variant(v, 90), v, 90)
+
+
+def _real_variants(arch: int) -> list[aot.Variant]:
+    out = [aot.gdn_variant(REAL), aot.attention_variant(REAL, arch=arch)] + aot.moe_variants(REAL, arch=arch)
+    if arch in launch.FP8_ARCHS:
+        out += [v for v in aot.moe_variants(REAL, fp8=True, arch=arch) if ".fp8" in v.key]
+    if arch == 90:  # the other dtype combinations TensorRT may ask for
+        out += [aot.gdn_variant(REAL, "bfloat16", "float32"), aot.gdn_variant(REAL, "float32"),
+                aot.attention_variant(REAL, "float32", arch=arch)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", launch.ARCHS)
+def test_real_size_variants_compile(arch):
+    for v in _real_variants(arch):
+        _check(aot.compile_variant(v, arch), v, arch)
+
+
+@pytest.mark.slow
+def test_fp_fusion_is_passed_explicitly():
+    """FMA contraction is chosen by launch.FP_FUSION, not by Triton's default (which flips in 3.10)."""
+    v = aot.moe_variants(tiny_config())[3]  # the combine kernel: tiny and quick to compile
+    default, fused, strict = (aot.compile_variant(v, 90, **kw).ptx for kw in ({}, {"fp_fusion": True},
+                                                                               {"fp_fusion": False}))
+    assert launch.FP_FUSION is True and default == fused
+    assert "add.rn.f32" in strict and "add.rn.f32" not in fused  # .rn forbids ptxas from contracting into FMAs
+
+
+def test_grids_and_sizes():
+    c = launch.gdn_constexprs(16, 32, 128, 128, 4, 32)
+    assert (c["DKP"], c["BV"], c["CC"], c["LOG2_CC"], c["BN"], c["KM1P"]) == (128, 64, 32, 5, 32, 4)
+    assert launch.gdn_grid(8, 16) == (8, 16, 1)
+    small = launch.gdn_constexprs(2, 4, 24, 20, 3, 5)
+    assert (small["DKP"], small["BV"], small["BN"], small["KM1P"]) == (32, 32, 16, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        launch.gdn_constexprs(3, 4, 16, 16, 4, 8)
+    a = launch.attention_constexprs(16, 2, 256, 32, 256 ** -0.5, "bfloat16", 90)
+    assert launch.attention_grid(1, 64, a) == (64 * 8 // 64, 2, 1)
+    assert launch.attention_grid(3, 65, a, splits=4) == (9, 6, 4)
+    assert launch.attention_splits(1, 64, 65536, a, 132) > 1  # batch 1, long prefix: split it
+    assert launch.attention_splits(8, 544, 65536, a, 132) == 1  # enough programs already
+    assert launch.attention_splits(1, 64, 1024, a, 132) == 1  # short pool: not worth a second launch
+    assert launch.moe_block_m(64 * 8, 256) == 16 and launch.moe_block_m(8 * 544 * 8, 256) == 64
+
+
+def test_grid_accepts_symbolic_sizes():
+    """TensorRT passes shape expressions and its own cdiv; the grid rule must only use + * // and cdiv."""
+
+    class Expr:
+        def __init__(self, s):
+            self.s = s
+
+        def __mul__(self, o):
+            return Expr(f"({self.s}*{o})")
+
+        __rmul__ = __mul__
+
+    a = launch.attention_constexprs(16, 2, 256, 32, 0.0625, "bfloat16", 90)
+    g = launch.attention_grid(Expr("B"), Expr("T"), a, cdiv=lambda x, y: Expr(f"cdiv({x.s},{y})"))
+    assert (g[0].s, g[1].s, g[2]) == ("cdiv((T*8),64)", "(B*2)", 1)

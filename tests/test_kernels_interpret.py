@@ -1,0 +1,192 @@
+"""The Triton kernels equal the plain-torch cores (the op contracts) under TRITON_INTERPRET=1 (STEP_GRAPH.md 5).
+
+The interpreter must be on when the kernels' @triton.jit decorators run, so
+the checks run in one child process (this file executed as a script with
+TRITON_INTERPRET=1), fp32, tiny shapes; each pytest test reads its case's
+result. References are `gdn_core`, `attention_core`, `moe_core` and the
+reference model step; whole pools are compared (untouched slots included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+ATOL, RTOL = 3e-5, 1e-5
+
+
+# ----------------------------------------------------------------- the checks (run in the child)
+def _close(got, want, what):
+    import torch
+
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+
+
+def gdn_case(B=2, Hk=2, Hv=4, dk=16, dv=16, K=4, N=5, Tc=19, S=3, nc=(19, 2), chunk=16, seed=0):
+    import torch
+
+    from clover_export.model.gdn import gdn_core
+    from clover_export.plugins.triton.ops import block_gdn
+
+    g = torch.Generator().manual_seed(seed)
+    C, T = 2 * Hk * dk + Hv * dv, Tc + N
+    r = lambda *s, sc=1.0: torch.randn(*s, generator=g) * sc  # noqa: E731
+    args = (r(B, T, C), r(B, T, Hv), r(B, T, Hv), r(C, K, sc=0.5), r(C, K, sc=0.5),
+            torch.rand(Hv, generator=g).mul(4).add(0.5).log(), r(Hv, sc=0.1) + 1, torch.rand(Hv, generator=g) * 6 + 2,
+            r(Hv))
+    conv_pool, rec_pool = r(S, C, K - 1), r(S, Hv, dk, dv, sc=0.3)
+    slots = torch.tensor([2, 0, 1][:B], dtype=torch.int32)
+    ncs = torch.tensor(nc[:B], dtype=torch.int32)
+    want = gdn_core(*args, conv_pool, rec_pool, slots, ncs, Hk, dk, dv, N)
+    cp, rp = conv_pool.clone(), rec_pool.clone()
+    got = block_gdn(*args, cp, rp, slots, ncs, Hk, dk, dv, N, chunk=chunk, bv=16)
+    assert got[1] is cp and got[2] is rp, "pools must be updated in place"
+    for name, x, y in zip(("o", "conv_pool", "rec_pool"), got, want):
+        _close(x, y, name)
+
+
+def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), nc=(5, 2), splits=1, seed=0):
+    import torch
+
+    from clover_export.model.attention import attention_core
+    from clover_export.plugins.triton.ops import block_attention
+
+    g = torch.Generator().manual_seed(seed)
+    T = Tc + N
+    q, k, v = (torch.randn(B, T, h, hd, generator=g) for h in (H, Hkv, Hkv))
+    kp, vp = torch.randn(S, Hkv, L, hd, generator=g), torch.randn(S, Hkv, L, hd, generator=g)
+    ids = [torch.tensor(x[:B], dtype=torch.int32) for x in ((2, 0, 1), past, nc)]
+    want = attention_core(q, k, v, kp, vp, *ids, N, hd ** -0.5)
+    a, b = kp.clone(), vp.clone()
+    got = block_attention(q, k, v, a, b, *ids, N, hd ** -0.5, splits=splits)
+    assert got[1] is a and got[2] is b, "pools must be updated in place"
+    for name, x, y in zip(("o", "key_pool", "value_pool"), got, want):
+        _close(x, y, name)
+
+
+def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=False, ties=False, seed=0):
+    import torch
+
+    from clover_export.engines.quantize import dequantize, quantize_weight
+    from clover_export.model.moe import moe_core
+    from clover_export.plugins.triton.ops import coreset_moe
+
+    g = torch.Generator().manual_seed(seed)
+    T = Tc + N
+    x = torch.randn(B, T, D, generator=g)
+    rw = torch.randn(E, D, generator=g) * 0.5
+    if ties:  # identical router rows give identical probabilities: ties must go to the lower expert id
+        rw[1::2] = rw[0::2]
+    gu = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
+    dn = torch.randn(E, D, I, generator=g) / I ** 0.5
+    kw = {}
+    if fp8:
+        (gq, gs), (dq, ds) = quantize_weight(gu), quantize_weight(dn)
+        gu, dn = dequantize(gq, gs), dequantize(dq, ds)  # the reference runs on the dequantised weights
+        kw = dict(gate_up_scale=gs, down_scale=ds)
+    want = moe_core(x, rw, gu, dn, k, top_p, coreset, N)
+    got = coreset_moe(x, rw, gq if fp8 else gu, dq if fp8 else dn, k, top_p, coreset, N, **kw)
+    _close(got[0], want[0], "routed")
+    assert got[1].tolist() == want[1].tolist(), f"coreset_size {got[1].tolist()} != {want[1].tolist()}"
+    plain = moe_core(x, rw, gu, dn, k, top_p, False, N)[1]
+    return {"coreset": want[1].tolist(), "plain": plain.tolist()}
+
+
+def model_case():
+    """A whole tiny step through `cuda_cores` (in-place twins) and the functional ops, kernels on the CPU."""
+    import torch
+
+    from clover_export.model.model import CloverModel, allocate_pools, init_random_
+    from clover_export.plugins import cuda_ops, torch_ops
+    from clover_export.tiny import tiny_config
+
+    cfg = tiny_config(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    model = init_random_(CloverModel(cfg, block_size=4), seed=3).eval()
+    g = torch.Generator().manual_seed(5)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    inputs = dict(input_ids=torch.randint(0, cfg.vocab_size, (2, 7), generator=g, dtype=torch.int32),
+                  n_causal=i32(3, 1), has_block=i32(1, 1), slot_ids=i32(1, 0), past_len=i32(0, 5))
+    pools = allocate_pools(cfg, 2, 16)
+    for p in pools.values():
+        p.copy_(torch.randn(p.shape, generator=g))
+    with torch.no_grad():
+        want = model.step(inputs, {n: p.clone() for n, p in pools.items()})
+        model.cores = cuda_ops.cuda_cores("cpu")
+        mine = {n: p.clone() for n, p in pools.items()}
+        got = model.step(inputs, mine)
+        model.cores = torch_ops.export_cores()  # functional ops, CPU kernels registered above
+        kept = {n: p.clone() for n, p in pools.items()}
+        fun = model.step(inputs, kept)
+    _close(got[0], want[0], "logits")
+    assert torch.equal(got[1], want[1]), "coreset_size"
+    for n in pools:
+        _close(mine[n], want[2][n], f"in-place {n}")
+        _close(fun[2][n], want[2][n], f"functional {n}")
+        assert torch.equal(kept[n], pools[n]), f"the functional op changed its input pool {n}"
+    _close(fun[0], want[0], "functional logits")
+
+
+CASES = {
+    "gdn_mixed": lambda: gdn_case(),
+    "gdn_block_only": lambda: gdn_case(Tc=0, nc=(0, 0), seed=1),
+    "gdn_prefill_no_block": lambda: gdn_case(N=0, Tc=7, nc=(7, 3), seed=2),
+    "gdn_odd_dims_chunks": lambda: gdn_case(dk=24, dv=20, Hk=1, Hv=2, K=3, N=16, Tc=33, nc=(33, 1), seed=3),
+    "attention_mixed": lambda: attention_case(),
+    "attention_split": lambda: attention_case(splits=3, seed=1),
+    "attention_block_only": lambda: attention_case(Tc=0, nc=(0, 0), past=(0, 39), seed=2),
+    "attention_no_block_overflow": lambda: attention_case(N=0, Tc=6, past=(36, 3), nc=(5, 4), splits=2, seed=3),
+    "attention_gqa_long": lambda: attention_case(hd=24, H=6, Hkv=1, L=200, past=(150, 3), splits=4, seed=4),
+    "moe_coreset": lambda: moe_case(),
+    "moe_plain": lambda: moe_case(coreset=False, seed=1),
+    "moe_small_top_p": lambda: moe_case(top_p=0.5, E=16, k=3, seed=2),
+    "moe_no_block": lambda: moe_case(N=0, Tc=4, seed=3),
+    "moe_block_only_full_p": lambda: moe_case(Tc=0, N=7, top_p=1.0, seed=4),
+    "moe_ties": lambda: moe_case(ties=True, top_p=0.6, seed=5),
+    "moe_fp8": lambda: moe_case(fp8=True, seed=6),
+    "model_step": model_case,
+}
+
+
+def _child(names: list[str]) -> None:
+    results = {}
+    for name in names:
+        try:
+            info = CASES[name]()
+            results[name] = {"ok": True, "info": info}
+        except Exception:  # report every case, not just the first failure
+            results[name] = {"ok": False, "error": traceback.format_exc(limit=4)}
+    print("RESULTS " + json.dumps(results))
+
+
+# ----------------------------------------------------------------- pytest side
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    assert line, f"the interpreter child failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_equals_core(results, case):
+    r = results[case]
+    assert r["ok"], r.get("error")
+
+
+@pytest.mark.slow
+def test_coreset_cases_exercise_the_coreset(results):
+    """The coreset cases keep fewer experts than plain top-k would choose (else they test nothing)."""
+    for case in ("moe_small_top_p", "moe_ties"):
+        info = results[case]["info"]
+        assert sum(info["coreset"]) < sum(info["plain"]), (case, info)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
