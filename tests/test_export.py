@@ -155,8 +155,8 @@ def test_manifest_records_what_the_runtime_needs(fp32_export):
     assert m["opset"] == 20 and m["ir_version"] == 9 and m["config_fingerprint"] == art.config.fingerprint()
     assert set(m["ops"]) == {"clover::BlockGDN", "clover::BlockAttention", "clover::CoresetMoE"}
     decode, prefill = m["profiles"]
-    assert decode["dims"]["step_len"] == [64] * 3 and prefill["dims"]["step_len"] == [48] * 3
-    assert prefill["shapes"][names.INPUT_IDS] == {"min": [1, 48], "opt": [1, 48], "max": [2, 48]}
+    assert decode["dims"]["step_len"] == [32, 64, 64] and prefill["dims"]["step_len"] == [32, 48, 48]
+    assert prefill["shapes"][names.INPUT_IDS] == {"min": [1, 32], "opt": [1, 48], "max": [2, 48]}
     proto = onnx.load(str(art.graph_path), load_external_data=False)
     assert proto.ir_version == 9 and {o.domain: o.version for o in proto.opset_import} == {"": 20, "clover": 1}
     dims = {d.dim_param for vi in proto.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param}

@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from clover_export.engines.profiles import BuildSettings, Profile
+from clover_export.engines.profiles import BuildSettings
 from clover_export.errors import CloverError
 
 
@@ -61,8 +61,7 @@ def _progress_monitor(trt):
     return TqdmMonitor()
 
 
-def build_engine(onnx_path: Path, plan_path: Path, inputs: dict[str, list], profiles: list[Profile],
-                 settings: BuildSettings) -> dict:
+def build_engine(onnx_path: Path, plan_path: Path, profiles: list[dict], settings: BuildSettings) -> dict:
     """Parse (plugins registered), build one strongly typed engine, write the plan atomically."""
     trt = import_tensorrt()
     from clover_export.plugins import trt as clover_trt_plugins  # registers clover:: plugins
@@ -85,10 +84,13 @@ def build_engine(onnx_path: Path, plan_path: Path, inputs: dict[str, list], prof
     config.builder_optimization_level = settings.builder_optimization_level
     for name in settings.flags(major):
         config.set_flag(getattr(trt.BuilderFlag, name))
-    for p in profiles:
+    for name in settings.preview_features():  # plugin outputs aliased to the cache inputs
+        if hasattr(trt.PreviewFeature, name):
+            config.set_preview_feature(getattr(trt.PreviewFeature, name), True)
+    for p in profiles:  # the manifest's profiles: input name -> {"min", "opt", "max"}
         prof = builder.create_optimization_profile()
-        for name, (mn, opt, mx) in p.shape_ranges(inputs).items():
-            prof.set_shape(name, mn, opt, mx)
+        for name, s in p["shapes"].items():
+            prof.set_shape(name, s["min"], s["opt"], s["max"])
         config.add_optimization_profile(prof)
     cache = None
     if settings.timing_cache:
@@ -104,7 +106,7 @@ def build_engine(onnx_path: Path, plan_path: Path, inputs: dict[str, list], prof
         atomic_write(Path(settings.timing_cache), memoryview(cache.serialize()))
     del clover_trt_plugins
     return {"tensorrt": trt.__version__, "plan": plan_path.name, "bytes": plan_path.stat().st_size,
-            "profiles": [p.name for p in profiles], "stripped": settings.strip_weights}
+            "profiles": [p["name"] for p in profiles], "stripped": settings.strip_weights}
 
 
 def load_engine(plan_path: Path, onnx_path: Path | None = None, stripped: bool = False):

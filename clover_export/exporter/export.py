@@ -47,12 +47,14 @@ class ExportResult:
 
 
 def profiles(block_size: int, chunk: int, max_batch: int, slots: int, max_len: int) -> list[dict]:
-    """The optimisation profiles the graph needs: decode (C = N = block_size) and prefill (C = chunk)."""
+    """The optimisation profiles the graph needs: decode (C in 0..block_size: plain denoise steps and a
+    commit folded into the next block) and prefill (C in 0..chunk: prompt chunks, the last one folded
+    with the first block). Pools are allocated once: slots and pool_len are fixed."""
 
     def profile(name: str, c: int, batch_opt: int) -> dict:
         return {
             "name": name, "causal_rows": c, "block_rows": block_size,
-            "dims": {BATCH: [1, batch_opt, max_batch], STEP_LEN: [c + block_size] * 3,
+            "dims": {BATCH: [1, batch_opt, max_batch], STEP_LEN: [block_size, c + block_size, c + block_size],
                      SLOTS: [slots] * 3, POOL_LEN: [max_len] * 3},
         }
 

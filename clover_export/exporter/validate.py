@@ -249,13 +249,15 @@ def compare(runner: str, results: list[dict], reference: list[dict], tolerance) 
 
 
 def fp32_tolerance(step, name, ref) -> float:
-    return FP32_TOLERANCE
+    """1e-4, relative to the output's scale once that exceeds 1 (trained logits reach tens: fp32
+    rounding of a different summation order alone is ~1e-5 of the scale)."""
+    return FP32_TOLERANCE * max(1.0, float(np.abs(ref).max()) if ref.size else 0.0)
 
 
 def bf16_tolerance(ref16: list[dict], ref32: list[dict]):
-    """bf16 graphs are judged against bf16 rounding itself: an output may differ from the bf16 reference
-    model by twice what the bf16 reference differs from the fp32 reference model on the same inputs
-    (at least 1% of the output's scale)."""
+    """bf16 graphs are judged against bf16 rounding itself: an output may differ from the fp32 reference
+    model by twice what the bf16 reference model differs from it on the same inputs (at least 1% of the
+    output's scale). The graph's plugin bodies compute in fp32, so it is often closer than the bf16 model."""
 
     def tol(step, name, ref):
         noise = float(np.abs(ref16[step][name].astype(np.float64) - ref32[step][name].astype(np.float64)).max())
@@ -278,15 +280,18 @@ def validate(folder: str | Path, steps: int | None = None, save_io: str | Path |
     ref = TorchRunner(art, torch.bfloat16 if bf16 else torch.float32)
     ref32 = TorchRunner(art, torch.float32) if bf16 else None
     if bf16:
-        rep.notes.append("bf16 tolerance per output and step: 2 x |bf16 reference - fp32 reference| on the same "
-                         "inputs, at least 1% of the output's scale")
+        rep.notes.append("bf16 graphs are compared with the fp32 reference model; tolerance per output and step: "
+                         "2 x |bf16 reference - fp32 reference| on the same inputs, at least 1% of the output's scale")
 
     def judge(runner, feeds, pools):
         t = time.perf_counter()
         got = play(runner, feeds, pools)
         log(f"{runner.name}: {len(feeds)} step(s) in {time.perf_counter() - t:.1f} s")
         expected = play(ref, feeds, pools)
-        tol = bf16_tolerance(expected, play(ref32, feeds, _upcast(pools))) if bf16 else fp32_tolerance
+        tol = fp32_tolerance
+        if bf16:  # judged against the fp32 truth, allowed twice the bf16 reference model's own error
+            truth = play(ref32, feeds, _upcast(pools))
+            tol, expected = bf16_tolerance(expected, truth), truth
         rep.runners.append(runner.name)
         rep.errors.extend(compare(runner.name, got, expected, tol))
         return got, expected

@@ -1,0 +1,305 @@
+"""The FP8 step graph (STEP_GRAPH.md 4): e4m3 weights + scales, Q/DQ around the standard GEMMs.
+
+From an exported fp32 (or bf16) artefact this writes a new artefact folder:
+- every GEMM weight W (attention/GDN projections, shared expert; lm_head
+  optional) becomes an e4m3 initializer with fp32 per-output-channel scales,
+  `DequantizeLinear(W8, s, axis=0)` feeding the graph's `Transpose -> MatMul`;
+- each GEMM input x gets `QuantizeLinear -> DequantizeLinear` with a
+  per-tensor scale from calibration (amax / 448), shared by the GEMMs that
+  read the same x;
+- the routed experts become e4m3 [E, out, in] + scales [E, out] fed to
+  `clover::CoresetMoEFP8` (BF16 activations; its function body dequantises
+  and calls `clover::CoresetMoE`, so ONNX Runtime runs it anywhere).
+Weights are quantised one tensor at a time, read through the artefact's
+weight map (memory-mapped), and appended to `weights/fp8.bin`; nothing else
+is copied (the remaining tensors keep pointing at the source's files).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from clover_export.engines.quantize import activation_scale, quantize_weight
+from clover_export.errors import CloverError
+from clover_export.sizing import fp8_weight_names
+
+FP8_BIN = "fp8.bin"
+ALIGN = 4096
+FP8_OP = "CoresetMoEFP8"
+
+
+@dataclass
+class Fp8Report:
+    gemms: int = 0
+    expert_tensors: int = 0
+    activations: dict[str, float] = field(default_factory=dict)  # activation tensor -> scale
+    bytes_written: int = 0
+    include_lm_head: bool = False
+
+    def to_dict(self) -> dict:
+        return {"gemms": self.gemms, "expert_tensors": self.expert_tensors, "activation_scales": self.activations,
+                "bytes_written": self.bytes_written, "include_lm_head": self.include_lm_head,
+                "weights": "e4m3fn, per-output-channel fp32 scales", "activations": "e4m3fn, per-tensor fp32 scales"}
+
+
+# --- calibration -------------------------------------------------------------
+def calibrate(model_dir: Path, steps: list[dict[str, np.ndarray]], block_size: int,
+              include_lm_head: bool = False) -> dict[str, float]:
+    """amax of the input of every FP8 GEMM (by weight name), over the reference model run on `steps`.
+
+    `steps` are step-graph feeds (names from `names.py`) played in order with the
+    pools carried between them, exactly as the runtime plays them.
+    """
+    from clover_export.config import load_config
+    from clover_export.model.model import allocate_pools
+    from clover_export.models import load_model
+
+    cfg = load_config(model_dir)
+    model = load_model(model_dir, torch.float32, block_size=block_size)
+    wanted = {n for n in fp8_weight_names(cfg, include_lm_head) if ".experts." not in n}  # experts: bf16 activations
+    amax: dict[str, float] = {}
+    hooks = []
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and f"{mod_name}.weight" in wanted:
+            def hook(m, args, name=f"{mod_name}.weight"):
+                amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
+            hooks.append(mod.register_forward_pre_hook(hook))
+    pools = None
+    try:
+        with torch.no_grad():
+            for feeds in steps:
+                if pools is None:
+                    pools = allocate_pools(cfg, int(feeds["slot_ids"].max()) + 1, step_pool_len(steps, block_size))
+                out = model.step({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}, pools)
+                pools = out[2]
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = wanted - set(amax)
+    if missing:
+        raise CloverError("fp8", f"calibration saw no input for {sorted(missing)[:3]}", "an exporter bug")
+    return amax
+
+
+def step_pool_len(steps: list[dict], block_size: int) -> int:
+    return max(int(f["past_len"].max()) + f["input_ids"].shape[1] for f in steps) + block_size
+
+
+# --- graph rewrite -----------------------------------------------------------
+def _fp8_initializer(name: str, shape, location: str, offset: int, length: int) -> TensorProto:
+    t = TensorProto(name=name, data_type=TensorProto.FLOAT8E4M3FN, dims=list(shape))
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        t.external_data.add(key=k, value=v)
+    return t
+
+
+class _Fp8Writer:
+    """Appends quantised tensors to weights/fp8.bin, page-aligned, and returns their initializers."""
+
+    def __init__(self, folder: Path):
+        (folder / "weights").mkdir(parents=True, exist_ok=True)
+        self.rel = f"weights/{FP8_BIN}"
+        self.f = open(folder / self.rel, "wb")
+        self.offset = 0
+
+    def add(self, name: str, w: torch.Tensor) -> tuple[TensorProto, TensorProto]:
+        q, scales = quantize_weight(w)
+        pad = (-self.offset) % ALIGN
+        self.f.write(b"\0" * pad)
+        self.offset += pad
+        raw = q.view(torch.uint8).numpy().tobytes()
+        self.f.write(raw)
+        init = _fp8_initializer(f"{name}.fp8", q.shape, self.rel, self.offset, len(raw))
+        self.offset += len(raw)
+        return init, numpy_helper.from_array(scales.numpy().astype(np.float32), f"{name}.scale")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _read_weight(art_dir: Path, entry: dict) -> torch.Tensor:
+    """One tensor of the weight map, memory-mapped, as fp32."""
+    from clover_export.exporter.weights import storage_dtype
+
+    path = Path(entry["file"]) if Path(entry["file"]).is_absolute() else art_dir / entry["file"]
+    arr = np.memmap(path, dtype=storage_dtype(entry["dtype"]), mode="r", offset=entry["offset"], shape=tuple(entry["shape"]))
+    t = torch.from_numpy(np.array(arr))
+    return t.view(torch.bfloat16).float() if entry["dtype"] == "BF16" else t.float()
+
+
+def fp8_function_proto() -> onnx.FunctionProto:
+    """`clover::CoresetMoEFP8`: dequantise the e4m3 experts, then `clover::CoresetMoE` (same attributes)."""
+    from clover_export.plugins.contracts import CONTRACTS
+    from clover_export.plugins.onnx_ops import OPSET, PLUGIN_ATTRS
+
+    moe = CONTRACTS["CoresetMoE"]
+    attrs = [a.name for a in moe.attributes]
+    nodes = [helper.make_node("Constant", [], ["axis"], value_ints=[-1])]
+    for w in ("gate_up", "down"):
+        nodes += [
+            helper.make_node("Cast", [f"{w}_fp8"], [f"{w}_f"], to=TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", [f"{w}_scale", "axis"], [f"{w}_s"]),
+            helper.make_node("Mul", [f"{w}_f", f"{w}_s"], [f"{w}_f32"]),
+            helper.make_node("CastLike", [f"{w}_f32", "x"], [w]),
+        ]
+    call = helper.make_node(moe.name, ["x", "router_w", "gate_up", "down"], [o.name for o in moe.outputs],
+                            domain=moe.namespace)
+    for a in attrs + list(PLUGIN_ATTRS):
+        call.attribute.append(onnx.AttributeProto(name=a, ref_attr_name=a, type=_attr_type(moe, a)))
+    nodes.append(call)
+    return helper.make_function(
+        moe.namespace, FP8_OP,
+        inputs=["x", "router_w", "gate_up_fp8", "gate_up_scale", "down_fp8", "down_scale"],
+        outputs=[o.name for o in moe.outputs], nodes=nodes,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(moe.namespace, int(moe.version))],
+        attributes=attrs + list(PLUGIN_ATTRS),
+        doc_string="CoresetMoE with e4m3 expert weights and fp32 per-output-channel scales [E, out]; "
+                   "activations stay in the model dtype.",
+    )
+
+
+def _attr_type(contract, name: str) -> int:
+    for a in contract.attributes:
+        if a.name == name:
+            return onnx.AttributeProto.FLOAT if a.type == "float" else onnx.AttributeProto.INT
+    return onnx.AttributeProto.STRING
+
+
+def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False) -> Fp8Report:
+    """Write the FP8 artefact of the exported folder `src_dir` into `out_dir` (atomically)."""
+    from clover_export.checkpoint import replace_dir
+    from clover_export.exporter.artifact import load_artifact, read_weight_map
+
+    art = load_artifact(src_dir)
+    wmap = read_weight_map(art)
+    proto = onnx.load(str(art.graph_path), load_external_data=False)
+    g = proto.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    targets = set(fp8_weight_names(art.config, include_lm_head))
+    report = Fp8Report(include_lm_head=include_lm_head)
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    writer = _Fp8Writer(tmp)
+    try:
+        new_nodes: list[onnx.NodeProto] = []
+        qdq_of: dict[str, str] = {}  # activation -> its DQ output
+        zero = helper.make_tensor("fp8_zero_point", TensorProto.FLOAT8E4M3FN, [], [0])
+        g.initializer.append(zero)
+        drop: set[str] = set()
+        for node in g.node:
+            if node.op_type == "MatMul" and node.input[1] in producer and producer[node.input[1]].op_type == "Transpose":
+                tr = producer[node.input[1]]
+                wname = tr.input[0]
+                if wname in targets and wname in inits:
+                    w8, s = writer.add(wname, _read_weight(art.dir, wmap[wname]))
+                    g.initializer.extend([w8, s])
+                    drop.add(wname)
+                    new_nodes.append(helper.make_node("DequantizeLinear", [w8.name, s.name], [f"{wname}.dq"], axis=0,
+                                                      name=f"{wname}.DequantizeLinear"))
+                    if art.dtype != "fp32":
+                        new_nodes.append(helper.make_node("Cast", [f"{wname}.dq"], [f"{wname}.dq.cast"],
+                                                          to=TensorProto.BFLOAT16))
+                    tr.input[0] = f"{wname}.dq" if art.dtype == "fp32" else f"{wname}.dq.cast"
+                    x = node.input[0]
+                    if x not in qdq_of:
+                        qdq_of[x] = _activation_qdq(new_nodes, g, x, amax[wname], report, art.dtype)
+                    node.input[0] = qdq_of[x]
+                    report.gemms += 1
+            if node.op_type == "CoresetMoE" and node.domain == "clover":
+                fused = node.input[2:4]
+                if not all(n in inits for n in fused):
+                    raise CloverError("fp8", f"{node.name}: expert weights are not plain initializers",
+                                      "export the fp32/bf16 graph from a fused-expert checkpoint first")
+                args = []
+                for wname in fused:
+                    w8, s = writer.add(wname, _read_weight(art.dir, wmap[wname]))
+                    g.initializer.extend([w8, s])
+                    drop.add(wname)
+                    args += [w8.name, s.name]
+                    report.expert_tensors += 1
+                node.op_type = FP8_OP
+                del node.input[2:]
+                node.input.extend(args)
+            new_nodes.append(node)
+        _replace_nodes(g, new_nodes)
+        kept = [i for i in g.initializer if i.name not in drop]
+        del g.initializer[:]
+        g.initializer.extend(kept)
+        linked = _link_source_files(g, art.dir, tmp)
+        proto.functions.append(fp8_function_proto())
+        writer.close()
+        report.bytes_written = writer.offset
+        onnx.save(proto, str(tmp / "model.onnx"))
+        manifest = dict(art.manifest)
+        manifest["quantization"] = {**report.to_dict(), "source": str(art.dir.resolve())}
+        manifest["weights"] = {**manifest["weights"], "fp8_file": f"weights/{FP8_BIN}", "source_files": linked}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        fp8_map = {k: v for k, v in wmap.items() if k not in drop}
+        for t in g.initializer:
+            if t.data_type == TensorProto.FLOAT8E4M3FN and t.data_location == TensorProto.EXTERNAL:
+                ext = {e.key: e.value for e in t.external_data}
+                fp8_map[t.name] = {"file": ext["location"], "offset": int(ext["offset"]), "length": int(ext["length"]),
+                                   "dtype": "F8_E4M3", "shape": list(t.dims)}
+        (tmp / "weights.json").write_text(json.dumps({"mode": art.weights_mode, "tensors": fp8_map}, indent=2))
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        writer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _activation_qdq(nodes, g, x: str, amax: float, report: Fp8Report, dtype: str) -> str:
+    scale = activation_scale(amax)
+    report.activations[x] = scale
+    g.initializer.append(numpy_helper.from_array(np.array(scale, np.float32), f"{x}.act_scale"))
+    src = x
+    if dtype != "fp32":  # opset 20 Q/DQ take fp32 scales with fp32 data: cast around them
+        nodes.append(helper.make_node("Cast", [x], [f"{x}.f32"], to=TensorProto.FLOAT))
+        src = f"{x}.f32"
+    nodes.append(helper.make_node("QuantizeLinear", [src, f"{x}.act_scale", "fp8_zero_point"], [f"{x}.q"]))
+    nodes.append(helper.make_node("DequantizeLinear", [f"{x}.q", f"{x}.act_scale", "fp8_zero_point"], [f"{x}.dq"]))
+    if dtype == "fp32":
+        return f"{x}.dq"
+    nodes.append(helper.make_node("Cast", [f"{x}.dq"], [f"{x}.dq.cast"], to=TensorProto.BFLOAT16))
+    return f"{x}.dq.cast"
+
+
+def _replace_nodes(g, nodes) -> None:
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def _link_source_files(g, src_dir: Path, dst_dir: Path) -> dict[str, str]:
+    """Give the new folder every in-folder file the remaining initializers read: reflink or hard link
+    (zero copy), else copy. ONNX and ONNX Runtime only read external data inside the model's folder."""
+    from clover_export.exporter.weights import copy_file, link_file
+
+    how = {}
+    for t in g.initializer:
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        loc = next(e.value for e in t.external_data if e.key == "location")
+        if loc in how or loc == f"weights/{FP8_BIN}" or not (src_dir / loc).exists():
+            continue  # absent: a `map` entry, fed from the checkpoint by `ort_session`
+        dst = dst_dir / loc
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            how[loc] = link_file((src_dir / loc).resolve(), dst)
+        except OSError:
+            copy_file((src_dir / loc).resolve(), dst)
+            how[loc] = "copy"
+    return how
