@@ -35,3 +35,12 @@ def tiny_model(tiny_fp32_dir):
     from clover_export.models import load_model
 
     return load_model(tiny_fp32_dir)
+
+
+@pytest.fixture(scope="session")
+def random_tiny_dir(tmp_path_factory) -> Path:
+    """A random-weight tiny Clover folder (BF16, the pre-training sizes): unconfident on purpose,
+    for tests of the loop's mechanics (several positions per step only at low thresholds, ties)."""
+    from clover_export.tiny import generate_random_tiny
+
+    return generate_random_tiny(tmp_path_factory.mktemp("random-tiny") / "model", seed=0, moe_intermediate_size=64)

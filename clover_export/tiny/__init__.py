@@ -1,8 +1,11 @@
-"""The embedded default model ("tiny"): generated deterministically on first use into a cache folder.
+"""The embedded default model ("tiny"): trained weights shipped in `trained/`, copied to a cache folder on first use.
 
 Same architecture pattern as Clover-35B-A3B at toy size: 3 GDN layers then 1
 attention layer (repeated), a few experts, GQA, partial RoPE; byte-level BPE
 tokenizer with chat template. Weights are BF16 safetensors in the real layout.
+The shipped weights were trained for block diffusion on synthetic digit-list
+tasks (`clover_export.train`, issue 5; facts in `trained/training.json`);
+`generate_random_tiny` still makes random folders of any shape for tests.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 from clover_export.config import CloverConfig, config_from_dict
 from clover_export.tiny import tokenizer_assets as tok
 
-TINY_VERSION = 1  # bump when the generated model changes
+TINY_VERSION = 2  # bump when the shipped model changes
+TRAINED_DIR = Path(__file__).parent / "trained"  # written by `python -m clover_export.train`
 
 
 def tiny_config_dict(**overrides) -> dict:
@@ -41,7 +45,7 @@ def tiny_config_dict(**overrides) -> dict:
         "linear_conv_kernel_dim": 4,
         "num_experts": 8,
         "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64,
+        "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 64,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
@@ -104,12 +108,27 @@ def generate_random_tiny(out_dir: Path, seed: int = 0, dtype=torch.bfloat16, **c
 
 
 def ensure_tiny() -> Path:
-    """Path of the embedded default; generated once into the cache folder."""
+    """Path of the embedded default: the shipped trained folder, copied once into the cache folder."""
+    from clover_export.checkpoint import replace_dir
+    from clover_export.errors import CloverError
+
     target = cache_root() / f"tiny-v{TINY_VERSION}"
     if (target / "config.json").exists():
         return target
+    if not (TRAINED_DIR / "config.json").exists():
+        raise CloverError("model", f"{TRAINED_DIR}: the embedded default's trained weights are missing",
+                          "reinstall clover-export, or rebuild them with `python -m clover_export.train "
+                          f"--out {TRAINED_DIR}`")
     target.parent.mkdir(parents=True, exist_ok=True)
-    generate_random_tiny(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        for f in TRAINED_DIR.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+        replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return target
 
 

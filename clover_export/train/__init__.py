@@ -1,0 +1,8 @@
+"""Training the embedded default: a tiny Clover taught block diffusion on synthetic tasks (issue 5).
+
+`tasks` makes the checkable prompts, `data` renders them through the chat
+template into block-diffusion batches (MODEL.md 5.1), `trainer` runs the
+masked-block objective through the reference model with autograd, and
+`evaluate` is a minimal greedy LowConfidence decoder (DECODING.md 2) used to
+score a model on held-out prompts. Run `python -m clover_export.train --help`.
+"""

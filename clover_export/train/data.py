@@ -1,0 +1,86 @@
+"""Chat-template rendering and block-diffusion batches (MODEL.md 5.1; issue 5).
+
+One training example is one forward step from empty caches: the rendered
+prompt as causal rows (left-aligned, `n_causal` per row, padded) and one
+block of `block_size` block rows holding the response, its `<|im_end|>` and
+`<|endoftext|>` padding, of which a random subset is replaced by the mask
+token. The loss is taken on the masked block positions only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import torch
+from tokenizers import Tokenizer
+
+from clover_export.tiny import tokenizer_assets as tok_assets
+from clover_export.train.tasks import Example
+
+THINK_CLOSE = "\n</think>\n\n"  # what a thinking-mode response starts with when it has no reasoning
+
+
+class ChatCodec:
+    """Tokenizer + chat template of a model folder (DECODING.md 1 step 1)."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        self.template = env.from_string((model_dir / "chat_template.jinja").read_text())
+        ids = tok_assets.special_token_ids()
+        self.im_end, self.eot = ids["<|im_end|>"], ids["<|endoftext|>"]
+        self.mask = ids[tok_assets.MASK_TOKEN]
+
+    def prompt_ids(self, user: str, enable_thinking: bool) -> list[int]:
+        text = self.template.render(messages=[{"role": "user", "content": user}],
+                                    add_generation_prompt=True, enable_thinking=enable_thinking)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def response_ids(self, answer: str, enable_thinking: bool) -> list[int]:
+        """The assistant tokens the model should produce, without the end token."""
+        text = (THINK_CLOSE if enable_thinking else "") + answer
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def block_target(self, answer: str, enable_thinking: bool, block_size: int) -> list[int]:
+        """Response, `<|im_end|>`, then `<|endoftext|>` up to the block end."""
+        ids = self.response_ids(answer, enable_thinking) + [self.im_end]
+        if len(ids) > block_size:
+            raise ValueError(f"response of {len(ids)} tokens does not fit one block of {block_size}")
+        return ids + [self.eot] * (block_size - len(ids))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, C + N]: causal rows (left-aligned, padded) then block rows
+    n_causal: torch.Tensor  # [B] int32
+    targets: torch.Tensor  # [B, N] clean block tokens
+    masked: torch.Tensor  # [B, N] bool: positions replaced by the mask token (the loss positions)
+
+
+def encode(codec: ChatCodec, examples: list[Example], thinking: list[bool], block_size: int):
+    """(prompt id lists, block targets [B, N])."""
+    prompts = [codec.prompt_ids(ex.prompt, t) for ex, t in zip(examples, thinking)]
+    targets = torch.tensor([codec.block_target(ex.answer, t, block_size) for ex, t in zip(examples, thinking)])
+    return prompts, targets
+
+
+def make_batch(prompts: list[list[int]], targets: torch.Tensor, mask_id: int, pad_id: int,
+               gen: torch.Generator) -> Batch:
+    """Mask k ~ U{1..N} block positions per example, chosen uniformly (exact-count masking)."""
+    B, N = targets.shape
+    C = max(len(p) for p in prompts)
+    causal = torch.full((B, C), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        causal[i, :len(p)] = torch.tensor(p)
+    k = torch.randint(1, N + 1, (B, 1), generator=gen)
+    ranks = torch.rand(B, N, generator=gen).argsort(dim=1).argsort(dim=1)  # a random permutation per row
+    masked = ranks < k
+    block = torch.where(masked, torch.full_like(targets, mask_id), targets)
+    return Batch(torch.cat([causal, block], dim=1), torch.tensor([len(p) for p in prompts], dtype=torch.int32),
+                 targets, masked)

@@ -1,0 +1,182 @@
+"""Training the tiny Clover (issue 5): objective, determinism, evaluator, shipped default."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from clover_export.tiny import TRAINED_DIR, tiny_config_dict
+from clover_export.tiny import tokenizer_assets as tok
+from clover_export.train import tasks
+from clover_export.train.data import ChatCodec, encode, make_batch
+from clover_export.train.evaluate import load_for_eval, lowconf_step, score
+from clover_export.train.trainer import Batches, TrainSettings, block_loss, new_model, train
+
+SMALL = dict(hidden_size=64, num_hidden_layers=4,
+             layer_types=["linear_attention"] * 3 + ["full_attention"], block_size=24)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models step fastest on one thread, and the machine is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def codec() -> ChatCodec:
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.build_tokenizer_files(Path(tmp))
+        return ChatCodec(tmp)
+
+
+def fixed_batch(codec, n=8, block=24):
+    exs = tasks.heldout_examples(n)
+    prompts, targets = encode(codec, exs, [i % 2 == 0 for i in range(n)], block)
+    return make_batch(prompts, targets, codec.mask, codec.eot, torch.Generator().manual_seed(0)), prompts
+
+
+def test_batch_layout(codec):
+    batch, prompts = fixed_batch(codec)
+    N = batch.targets.shape[1]
+    C = batch.input_ids.shape[1] - N
+    block = batch.input_ids[:, C:]
+    assert batch.n_causal.tolist() == [len(p) for p in prompts]
+    for i, p in enumerate(prompts):
+        assert batch.input_ids[i, :len(p)].tolist() == p  # causal rows left-aligned
+    assert ((block == codec.mask) == batch.masked).all()
+    assert (block[~batch.masked] == batch.targets[~batch.masked]).all()
+    counts = batch.masked.sum(1)
+    assert counts.min() >= 1 and counts.max() <= N
+    for row, ex in zip(batch.targets.tolist(), tasks.heldout_examples(len(prompts))):
+        end = row.index(codec.im_end)
+        assert set(row[end + 1:]) <= {codec.eot}
+        assert codec.tokenizer.decode(row[:end]).strip().endswith(ex.answer)
+
+
+def test_heldout_never_trained_on():
+    held = {ex.prompt for ex in tasks.heldout_examples()}
+    stream = tasks.training_stream(0, held)
+    assert not any(next(stream).prompt in held for _ in range(5000))
+    # and the exclusion is what keeps them apart: the raw sampler does produce held-out prompts
+    raw = tasks.training_stream(tasks.HELDOUT_SEED, set())
+    assert any(next(raw).prompt in held for _ in range(50))
+
+
+def test_answers_checked_exactly():
+    ex = tasks.make_example("sort", [7, 3, 9, 3])
+    assert ex.answer == "3 3 7 9"
+    assert tasks.make_example("reverse", [7, 3, 9]).answer == "9 3 7"
+    assert tasks.is_correct(ex, "\n</think>\n\n3 3 7 9")
+    assert tasks.is_correct(ex, "3 3 7 9 ")
+    assert not tasks.is_correct(ex, "3 7 9")
+
+
+def test_lowconf_step_rule():
+    """DECODING.md 2: fill every masked position with conf > threshold, else only the most confident."""
+    mask, V = 5, 8
+    logits = torch.full((1, 4, V), -20.0)
+    logits[0, 0, 1] = 20.0  # confident
+    logits[0, 1, 2], logits[0, 1, 3] = 0.5, 0.4  # unsure (p = 0.52)
+    logits[0, 2, 3] = 20.0  # confident, but already filled below
+    logits[0, 3, mask] = 50.0  # mask token must never be chosen
+    logits[0, 3, 4], logits[0, 3, 6] = 1.0, 0.0  # p = 0.73 once the mask token is excluded
+    block = torch.tensor([[mask, mask, 7, mask]])
+    out = lowconf_step(logits, block, mask, threshold=0.9)
+    assert out.tolist() == [[1, mask, 7, mask]]
+    # nothing above the threshold: only the single most confident masked position (position 3 here)
+    logits[0, 0, 1], logits[0, 0, 2] = 0.0, 0.0  # a tie: p = 0.5
+    out = lowconf_step(logits, block, mask, threshold=0.9)
+    assert out.tolist() == [[mask, mask, 7, 4]]
+
+
+def test_few_steps_reduce_loss_on_fixed_batch(codec):
+    torch.manual_seed(0)
+    model = new_model(tiny_config_dict(**SMALL), seed=0)
+    batch, _ = fixed_batch(codec)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with torch.no_grad():
+        before = block_loss(model, batch).item()
+    for _ in range(8):
+        loss = block_loss(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after = block_loss(model, batch).item()
+    assert after < 0.7 * before, (before, after)
+
+
+def test_training_is_deterministic_for_a_seed(codec):
+    heldout = tasks.heldout_examples(8)
+
+    def run(seed):
+        model = new_model(tiny_config_dict(**SMALL), seed=seed)
+        s = TrainSettings(steps=2, batch_size=4, warmup=1, seed=seed, eval_every=0)
+        train(model, codec, s, log=lambda *_: None, heldout=heldout)
+        return model.state_dict()
+
+    a, b, c = run(3), run(3), run(4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_batches_use_both_chat_modes(codec):
+    s = TrainSettings(batch_size=16, seed=0)
+    batch = Batches(codec, s, 32, set()).next()
+    think = codec.tokenizer.token_to_id("</think>")
+    heads = batch.input_ids[:, -32:]
+    # thinking-mode targets start with the empty think section; the others start with the answer
+    starts = {int((batch.targets[i] == think).any()) for i in range(16)}
+    assert starts == {0, 1}
+    assert heads.shape == (16, 32)
+
+
+# --- the shipped embedded default ---------------------------------------------
+
+def test_shipped_folder_matches_tiny_config():
+    """tiny_config_dict() is the single source of the architecture: the shipped weights must follow it."""
+    shipped = json.loads((TRAINED_DIR / "config.json").read_text())
+    assert shipped == json.loads(json.dumps(tiny_config_dict()))
+    gen = json.loads((TRAINED_DIR / "generation_config.json").read_text())
+    assert gen["repetition_penalty"] == 1.0 and gen["presence_penalty"] == 0.0
+    from clover_export.checkpoint import locate_tensors
+
+    locs = locate_tensors(TRAINED_DIR)
+    assert {loc.dtype for loc in locs.values()} == {"BF16"}
+    assert sum(loc.length for loc in locs.values()) < 8 * 1024**2
+
+
+def test_shipped_default_answers_heldout_prompts(tiny_dir):
+    """The embedded default (as `resolve_model_dir('tiny')` gives it) solves held-out prompts it never saw,
+    several tokens per forward (issue 5 target: >= 3 at threshold 0.95)."""
+    model = load_for_eval(tiny_dir)
+    exs = tasks.heldout_examples()[-16:]
+    for thinking in (False, True):
+        sc = score(model, ChatCodec(tiny_dir), exs, threshold=0.95, enable_thinking=thinking)
+        wrong = [(ex.prompt, text) for ex, text, ok in sc.results if not ok]
+        assert not wrong, wrong
+        assert sc.tokens_per_forward >= 3.0
+    facts = json.loads((tiny_dir / "training.json").read_text())
+    assert facts["heldout_at_0.95"]["thinking=False"]["accuracy"] >= 95
+
+
+def test_embedded_default_is_the_shipped_folder(tiny_dir):
+    for name in ("model-00001-of-00001.safetensors", "config.json", "tokenizer.json", "generation_config.json"):
+        assert (tiny_dir / name).read_bytes() == (TRAINED_DIR / name).read_bytes(), name
+
+
+def test_missing_shipped_weights_is_a_clear_error(tmp_path, monkeypatch):
+    import clover_export.tiny as tiny
+    from clover_export.errors import CloverError
+
+    monkeypatch.setattr(tiny, "TRAINED_DIR", tmp_path / "nowhere")
+    monkeypatch.setenv("CLOVER_EXPORT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(CloverError, match="trained weights are missing"):
+        tiny.ensure_tiny()
