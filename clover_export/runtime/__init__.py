@@ -1,0 +1,36 @@
+"""Block-diffusion runtime: LowConfidence decoding over one backend contract (DECODING.md).
+
+Layout (nano-vllm's split):
+- `request.py`, `scheduler.py`: plain Python (no torch/numpy): per-request
+  state, slots, and each step's row layout (STEP_GRAPH.md 1).
+- `runner.py`: the device side: cache pools, per-slot counts/parameters/
+  generators, selection (`selector.py`, `controls.py`) where the logits are.
+- `backends/`: `torch` (reference model), `ort` (exported artifact),
+  `trt` (TensorRT engine), one `step` contract.
+- `loop.py`: joins scheduler and runner; `generator.py`: the Python API;
+  `tokenizer.py`: tokenizer + sandboxed chat template; `golden.py`:
+  golden files; `cli.py`: `generate` and `compare`.
+
+Public API: `Generator.load(...)`, `.generate`, `.stream`, `.submit`,
+`.generate_batch`; `Result`, `StreamChunk`.
+"""
+
+from __future__ import annotations
+
+_EXPORTS = {
+    "Generator": "clover_export.runtime.generator",
+    "Stream": "clover_export.runtime.generator",
+    "context_needed": "clover_export.runtime.generator",
+    "Result": "clover_export.runtime.output",
+    "StreamChunk": "clover_export.runtime.output",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):  # lazy, so the plain-Python scheduler imports without torch
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(name)

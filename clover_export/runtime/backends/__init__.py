@@ -1,0 +1,63 @@
+"""One backend contract, three implementations (STEP_GRAPH.md 1; Polygraphy's runners).
+
+A backend runs one step: named step inputs (`clover_export.names`) and the
+cache pools in, `(logits [B, N, V] fp32, coreset_size [B, layers] int32,
+pools)` out, all torch tensors on `backend.device`. The caller may
+overwrite the logits; they stay valid until the next step. The returned pools are the ones
+to pass next time (the same tensors when the backend updates them in
+place). The loop never knows which backend it drives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from clover_export.config import CloverConfig
+from clover_export.errors import CloverError
+from clover_export.runtime.scheduler import StepShape
+
+BACKENDS = ("torch", "ort", "trt")
+
+
+class Backend(Protocol):
+    name: str
+    cfg: CloverConfig
+    block_size: int
+    max_context: int  # the most positions the backend was built for
+    device: torch.device
+    source_dir: Path  # folder holding config, generation config and tokenizer files
+    step_shapes: list[StepShape] | None  # None: any causal rows C and batch size
+
+    def allocate_pools(self, num_slots: int, max_len: int) -> dict[str, torch.Tensor]: ...
+
+    def step(self, inputs: dict[str, torch.Tensor], pools: dict[str, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+def is_artifact(path: str | Path | None) -> bool:
+    """An exported artifact folder is recognised by its manifest.json."""
+    return path is not None and (Path(path) / "manifest.json").is_file()
+
+
+def open_backend(name: str, model_or_artifact=None, **options) -> Backend:
+    """`torch` takes a model folder (or None = the embedded default); `ort` an exported artifact;
+    `trt` a TensorRT engine (file or folder)."""
+    if name == "torch":
+        from clover_export.runtime.backends.torch_backend import TorchBackend
+
+        if is_artifact(model_or_artifact):
+            raise CloverError("runtime", f"{model_or_artifact}: is an exported artifact; the torch backend runs a model folder",
+                              "pass --backend ort for an artifact, or the model folder it was exported from")
+        return TorchBackend.load(model_or_artifact, **options)
+    if name == "ort":
+        from clover_export.runtime.backends.ort_backend import OrtBackend
+
+        return OrtBackend.load(model_or_artifact, **options)
+    if name == "trt":
+        from clover_export.runtime.backends.trt_backend import TrtBackend
+
+        return TrtBackend.load(model_or_artifact, **options)
+    raise CloverError("runtime", f"unknown backend {name!r}", f"expected one of {', '.join(BACKENDS)}")

@@ -1,0 +1,243 @@
+"""The Python API: load once, then generate, stream or batch (DECODING.md 1-4).
+
+    from clover_export.runtime import Generator
+
+    gen = Generator.load("path/to/model")                 # or an ORT artifact with backend="ort"
+    res = gen.generate("What is 2 + 3?", max_new_tokens=64, threshold=0.9)
+    print(res.text, res.tokens_per_forward)
+
+    for chunk in gen.stream(messages=[{"role": "user", "content": "Hi"}], enable_thinking=False):
+        print(chunk.text, end="", flush=True)              # one committed block at a time
+
+    handles = [gen.submit(p, seed=i, do_sample=True) for i, p in enumerate(prompts)]
+    results = gen.wait(handles)                            # requests step together in one batch
+    handles[0].cancel()                                    # frees the slot
+
+Per-request parameters are the fields of `GenerationSettings` (defaults from
+the model's generation_config.json) plus `block_size` (must be the
+engine's). A request that cannot fit the context, or with an out-of-range
+parameter, raises CloverError before any compute. A Generator is driven from
+one thread: every `next()` on a stream (or `wait`) steps all queued requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable
+
+from clover_export.errors import CloverError
+from clover_export.generation import GenerationSettings, load_generation_settings
+from clover_export.runtime.backends import Backend, open_backend
+from clover_export.runtime.loop import BlockEvent, Loop
+from clover_export.runtime.output import Result, StreamChunk, TextTracker
+from clover_export.runtime.request import Request
+from clover_export.runtime.runner import Runner
+from clover_export.runtime.scheduler import Scheduler
+from clover_export.runtime.tokenizer import ChatTokenizer
+
+
+def context_needed(prompt_len: int, max_new_tokens: int, block_size: int, alignment: str) -> int:
+    """Positions a request may occupy, counting its final full block (DECODING.md 1.2).
+
+    prompt_end: prompt_len + ceil(max_new_tokens / block_size) * block_size.
+    absolute: blocks sit on multiples of block_size from 0 and the first one
+    holds the prompt tail, so the need is the end of the last such block.
+    """
+    blocks = -(-max_new_tokens // block_size)
+    if alignment == "absolute":
+        start = prompt_len // block_size * block_size
+        tail = prompt_len - start
+        return start + -(-(tail + max_new_tokens) // block_size) * block_size
+    return prompt_len + blocks * block_size
+
+
+class Stream:
+    """Handle of one submitted request: iterate for its blocks; `result` once finished."""
+
+    def __init__(self, gen: "Generator", req: Request, tracker: TextTracker):
+        self.gen, self.request, self.tracker = gen, req, tracker
+        self.request_id = req.request_id
+        self.chunks: deque[StreamChunk] = deque()
+        self.result: Result | None = None
+        self.started = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamChunk:
+        while not self.chunks and not self.done:
+            self.gen.step()
+        if self.chunks:
+            return self.chunks.popleft()
+        raise StopIteration
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stop now and free the slot (no effect once finished)."""
+        if not self.done:
+            self.gen.loop.cancel(self.request)
+            self._finish()
+
+    def wait(self) -> Result:
+        for _ in self:
+            pass
+        return self.result
+
+    def _on_block(self, event: BlockEvent) -> None:
+        delta, ids = self.tracker.push(event.new_tokens, event.finished)
+        if self.tracker.stopped and not event.finished:
+            self.gen.loop.finish(self.request, "stop_string")
+        elif self.tracker.stopped:
+            self.request.finish_reason = "stop_string"
+        chunk = StreamChunk(self.request_id, delta, ids, self.request.finished)
+        if self.request.finished:
+            chunk.result = self._finish()
+        self.chunks.append(chunk)
+
+    def _finish(self) -> Result:
+        req, ids = self.request, self.tracker.token_ids
+        s = req.stats()
+        self.result = Result(
+            request_id=req.request_id, token_ids=list(ids), text=self.tracker.text,
+            finish_reason=req.finish_reason or "cancelled", prompt_tokens=req.prompt_len,
+            response_tokens=len(ids), denoise_steps=req.denoise_steps, blocks=req.blocks,
+            tokens_per_forward=len(ids) / req.denoise_steps if req.denoise_steps else 0.0,
+            forwards_per_block=s["forwards_per_block"], distinct_experts_per_block=s["distinct_experts_per_block"],
+            wall_time_s=time.perf_counter() - self.started, prompt_ids=list(req.prompt_ids),
+        )
+        self.gen.handles.pop(self.request_id, None)
+        return self.result
+
+
+class Generator:
+    """A loaded backend plus tokenizer, generation defaults, scheduler and runner."""
+
+    def __init__(self, backend: Backend, source_dir: str | Path, *, max_slots: int = 4,
+                 max_context: int | None = None, prefill_chunk: int = 256, fold_commit: bool = True,
+                 early_stop: bool = True):
+        cfg = backend.cfg
+        self.backend, self.cfg = backend, cfg
+        self.mask_id = cfg.require_mask_token()
+        if cfg.logits_shift:
+            raise CloverError("runtime", f"{cfg.source}: logits_shift is true, which is not supported yet (only false)",
+                              "set \"logits_shift\": false if block position i is predicted by the logits at i")
+        if max_slots < 1:
+            raise CloverError("runtime", f"max_slots must be >= 1, got {max_slots}")
+        limits = [cfg.max_context, backend.max_context] + ([max_context] if max_context else [])
+        self.max_context = min(limits)
+        self.block_size = backend.block_size
+        self.tokenizer = ChatTokenizer(source_dir)
+        self.defaults = load_generation_settings(source_dir, eos_fallback=cfg.eos_token_id)
+        im_end = self.tokenizer.im_end_id
+        self.extra_end_ids = frozenset([im_end] if im_end is not None else [])
+        self.runner = Runner(backend, max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
+        scheduler = Scheduler(max_slots, self.block_size, prefill_chunk, fold_commit, early_stop,
+                              shapes=getattr(backend, "step_shapes", None))
+        self.loop = Loop(scheduler, self.runner)
+        self.handles: dict[int, Stream] = {}
+
+    @classmethod
+    def load(cls, model_or_artifact: str | Path | None = None, backend: str = "torch", *,
+             max_slots: int = 4, max_context: int | None = None, prefill_chunk: int = 256,
+             fold_commit: bool = True, early_stop: bool = True, **backend_options: Any) -> "Generator":
+        """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once.
+
+        backend_options go to the backend: torch takes dtype ("auto", "fp32",
+        "bf16"), device, block_size, allow_qwen; ort takes providers.
+        """
+        be = open_backend(backend, model_or_artifact, **backend_options)
+        return cls(be, be.source_dir, max_slots=max_slots, max_context=max_context, prefill_chunk=prefill_chunk,
+                   fold_commit=fold_commit, early_stop=early_stop)
+
+    # --- requests ----------------------------------------------------------------
+    def settings(self, **params: Any) -> GenerationSettings:
+        """The model's defaults with per-request overrides, validated (DECODING.md 1.2)."""
+        block_size = params.pop("block_size", None)
+        if block_size is not None and block_size != self.block_size:
+            raise CloverError("generate", f"parameter 'block_size' is {block_size}, the engine's is {self.block_size}",
+                              "block_size is fixed when the model or engine is loaded")
+        return self.defaults.override(**params)
+
+    def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
+                   prompt_ids: list[int] | None = None, raw: bool = False, enable_thinking: bool = True) -> list[int]:
+        given = [x is not None for x in (prompt, messages, prompt_ids)]
+        if sum(given) != 1:
+            raise CloverError("generate", "give exactly one of prompt, messages or prompt_ids")
+        if prompt_ids is not None:
+            ids = [int(i) for i in prompt_ids]
+        elif raw:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            if prompt is not None:
+                messages = [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
+        if not ids:
+            raise CloverError("generate", "the prompt is empty")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise CloverError("generate", f"prompt token id {bad[0]} is outside the vocabulary (size {self.cfg.vocab_size})")
+        return ids
+
+    def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+               prompt_ids: list[int] | None = None, raw: bool = False, **params: Any) -> Stream:
+        """Queue one request (checked up front, no compute yet); returns its handle."""
+        settings = self.settings(**params)
+        ids = self.prompt_ids(prompt, messages, prompt_ids, raw, settings.enable_thinking)
+        need = context_needed(len(ids), settings.max_new_tokens, self.block_size, self.cfg.block_alignment)
+        if need > self.max_context:
+            raise CloverError(
+                "generate",
+                f"request needs {need} positions (prompt {len(ids)} + max_new_tokens {settings.max_new_tokens} "
+                f"rounded up to blocks of {self.block_size}), over the context limit of {self.max_context}; "
+                "shorten the prompt or lower max_new_tokens")
+        end_ids = frozenset(settings.eos_token_id) | self.extra_end_ids
+        req = Request(ids, settings.max_new_tokens, end_ids, self.block_size, self.mask_id,
+                      self.cfg.block_alignment, params=settings)
+        handle = Stream(self, req, TextTracker(self.tokenizer.decode, end_ids, settings.stop))
+        self.handles[req.request_id] = handle
+        self.loop.add(req)
+        return handle
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Stream:
+        """Like `generate`, yielding one StreamChunk per committed block; `.cancel()` stops it."""
+        return self.submit(prompt, **kwargs)
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        return self.submit(prompt, **kwargs).wait()
+
+    def generate_batch(self, prompts: Iterable[str | list[dict]], **params: Any) -> list[Result]:
+        """Several prompts (strings, or message lists) stepping together."""
+        handles = [self.submit(messages=p, **params) if isinstance(p, list) else self.submit(p, **params)
+                   for p in prompts]
+        return self.wait(handles)
+
+    def wait(self, handles: list[Stream]) -> list[Result]:
+        while not all(h.done for h in handles):
+            self.step()
+        return [h.result for h in handles]
+
+    def cancel(self, request_id: int) -> None:
+        if request_id in self.handles:
+            self.handles[request_id].cancel()
+
+    def step(self) -> None:
+        """One loop step for every queued request; blocks go to their handles."""
+        if not self.loop.has_work():
+            for h in list(self.handles.values()):  # nothing can progress any more
+                h._finish()
+            return
+        for event in self.loop.step():
+            handle = self.handles.get(event.request.request_id)
+            if handle is not None:
+                handle._on_block(event)

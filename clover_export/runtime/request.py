@@ -1,0 +1,131 @@
+"""The per-request record the scheduler and the runner share (DECODING.md 1; nano-vllm's `Sequence`).
+
+Plain Python, no tensor library: positions, tokens, phase and counters of one
+request. The runner keeps the request's device state (counts, generator,
+parameters) under its slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+_ids = itertools.count()
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # no slot yet
+    PREFILL = "prefill"  # prompt chunks still to append to the caches
+    COMMIT = "commit"  # a resolved block waits for its own causal step (commit not folded)
+    DENOISE = "denoise"  # a block is being filled
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation request: what to do (fields set at submit) and where it stands (state)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    end_ids: frozenset[int]
+    block_size: int
+    mask_id: int
+    alignment: str = "prompt_end"  # MODEL.md 5.1 block_alignment
+    params: Any = None  # the request's GenerationSettings, read by the runner only
+    request_id: int = field(default_factory=lambda: next(_ids))
+
+    # --- state -----------------------------------------------------------
+    phase: Phase = Phase.WAITING
+    slot: int | None = None
+    past_len: int = 0  # tokens in the slot's caches
+    prefill_ids: list[int] = field(default_factory=list)  # prompt tokens appended causally
+    prefill_pos: int = 0  # how many of them are cached
+    block: list[int] = field(default_factory=list)  # the active block, mask_id where still masked
+    tail: int = 0  # prompt tokens pre-filled at the start of the active block (absolute alignment)
+    pending_commit: list[int] = field(default_factory=list)  # resolved block still to append causally
+    response: list[int] = field(default_factory=list)  # response tokens, cut at end token / max_new_tokens
+    counts: Counter = field(default_factory=Counter)  # occurrences of each token in `response`
+    finish_reason: str | None = None
+
+    # --- counters (DECODING.md 4 report) ------------------------------------
+    denoise_steps: int = 0
+    unfolded_commits: int = 0
+    blocks: int = 0
+    coreset_sum: float = 0.0  # sum over denoise steps of the mean kept-set size over layers
+
+    def __post_init__(self):
+        if self.alignment == "absolute":
+            cut = len(self.prompt_ids) // self.block_size * self.block_size
+        else:
+            cut = len(self.prompt_ids)
+        self.prefill_ids = list(self.prompt_ids[:cut])
+        self.tail = len(self.prompt_ids) - cut
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def response_base(self) -> int:
+        """Response index n of block position 0 (negative while the prompt tail fills the block's start)."""
+        return len(self.response) - self.tail
+
+    def new_block(self) -> None:
+        """Start the next block after the committed text (DECODING.md 1.4)."""
+        tail = self.prompt_ids[len(self.prefill_ids):] if self.blocks == 0 else []
+        self.tail = len(tail)
+        self.block = list(tail) + [self.mask_id] * (self.block_size - self.tail)
+
+    def seen_counts(self) -> Counter:
+        """count(token) of DECODING.md 3: the response so far plus the active block's filled response positions."""
+        c = self.counts.copy()
+        c.update(t for t in self.block[self.tail:] if t != self.mask_id)
+        return c
+
+    def block_resolved(self, early_stop: bool) -> bool:
+        """Every position filled, or (early stop) an end token filled with every position before it filled."""
+        mask = self.mask_id
+        for i in range(self.tail, self.block_size):
+            tok = self.block[i]
+            if tok == mask:
+                return False
+            if early_stop and tok in self.end_ids:
+                return True
+        return True
+
+    def take_block(self) -> bool:
+        """Append the resolved block's response tokens; True when the request is done (DECODING.md 1.5)."""
+        self.blocks += 1
+        for tok in self.block[self.tail:]:
+            if len(self.response) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                return True
+            self.response.append(tok)
+            self.counts[tok] += 1
+            if tok in self.end_ids:
+                self.finish_reason = "stop"
+                return True
+        if len(self.response) >= self.max_new_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    # --- report (DECODING.md 4) -------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        steps = self.denoise_steps
+        return {
+            "prompt_tokens": self.prompt_len,
+            "response_tokens": len(self.response),
+            "denoise_steps": steps,
+            "blocks": self.blocks,
+            "tokens_per_forward": len(self.response) / steps if steps else 0.0,
+            "forwards_per_block": (steps + self.unfolded_commits) / self.blocks if self.blocks else 0.0,
+            "distinct_experts_per_block": self.coreset_sum / steps if steps else 0.0,
+        }

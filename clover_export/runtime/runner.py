@@ -1,0 +1,107 @@
+"""The device side of the loop: cache pools, per-slot decoding state, one step (nano-vllm's ModelRunner).
+
+The runner owns the pools (allocated once for `num_slots x max_context`)
+and, per slot, the end-token ids, the parameter row and the seeded
+generator. `run(plan)` uploads the step's inputs in one int tensor (the
+step-graph inputs, plus each row's counted tokens, which the host knows),
+calls the backend, runs controls and selection where the logits are, and
+reads back one small int tensor (block tokens and coreset sizes).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import torch
+
+from clover_export import names
+from clover_export.runtime.backends import Backend
+from clover_export.runtime.controls import COLUMNS, RowParams, param_row, thinking_open
+from clover_export.runtime.request import Request
+from clover_export.runtime.scheduler import StepPlan
+from clover_export.runtime.selector import choose, fill
+
+# observer(plan, logits [B, N, V]) sees a copy of the raw block logits of every step (tests, debugging)
+Observer = Callable[[StepPlan, torch.Tensor], None]
+
+
+class Runner:
+    def __init__(self, backend: Backend, num_slots: int, max_context: int, mask_id: int,
+                 think_end_id: int | None = None):
+        self.backend = backend
+        self.device = backend.device
+        self.mask_id = mask_id
+        self.think_end_id = think_end_id
+        self.num_layers = backend.cfg.num_hidden_layers
+        with torch.inference_mode():
+            self.pools = backend.allocate_pools(num_slots, max_context)
+            self.end_ids = torch.full((num_slots, 4), -1, dtype=torch.long, device=self.device)
+            self.params = torch.zeros(num_slots, len(COLUMNS), dtype=torch.float32, device=self.device)
+        self.generators: list[torch.Generator | None] = [None] * num_slots
+        self.observer: Observer | None = None
+
+    @torch.inference_mode()
+    def claim(self, req: Request) -> None:
+        """Fresh per-slot state for a newly admitted request (recurrent states zeroed; K/V past
+        past_len are never read)."""
+        s, settings = req.slot, req.params
+        for name, pool in self.pools.items():
+            if not name.endswith((".key", ".value")):
+                pool[s].zero_()
+        ends = sorted(req.end_ids)
+        if len(ends) > self.end_ids.shape[1]:  # more end tokens than ever before: widen the table
+            wider = torch.full((self.end_ids.shape[0], len(ends)), -1, dtype=torch.long, device=self.device)
+            wider[:, :self.end_ids.shape[1]] = self.end_ids
+            self.end_ids = wider
+        self.end_ids[s] = torch.tensor(ends + [-1] * (self.end_ids.shape[1] - len(ends)), device=self.device)
+        self.params[s] = torch.tensor(param_row(settings), device=self.device)
+        if settings.do_sample:
+            seed = settings.seed if settings.seed is not None else random.SystemRandom().randrange(2**63)
+            self.generators[s] = torch.Generator(device=self.device).manual_seed(seed)
+        else:
+            self.generators[s] = None
+
+    def _seen(self, plan: StepPlan) -> tuple[int, list[int], list[int], list[int]]:
+        """(K, ids, counts, thinking_open) of the rows' counted tokens, padded to K with (mask_id, 0)."""
+        seen = [req.seen_counts() if plan.has_block[r] else {} for r, req in enumerate(plan.requests)]
+        K = max(len(c) for c in seen)
+        ids, counts = [], []
+        for c in seen:
+            pad = K - len(c)
+            ids += list(c.keys()) + [self.mask_id] * pad
+            counts += list(c.values()) + [0] * pad
+        think = [int(thinking_open(req.params.enable_thinking, self.think_end_id, c))
+                 for req, c in zip(plan.requests, seen)]
+        return K, ids, counts, think
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> tuple[list[list[int]], list[float]]:
+        """One step: returns each row's block tokens after it and its mean coreset size over layers."""
+        B, T, N = plan.batch, plan.width, plan.block_size
+        K, seen_ids, seen_counts, think = self._seen(plan)
+        flat = torch.tensor(plan.input_ids + plan.n_causal + plan.has_block + plan.slot_ids + plan.past_len
+                            + plan.response_base + think + seen_ids + seen_counts, dtype=torch.int32)
+        flat = flat.to(self.device, non_blocking=True)
+        ids, n_causal, has_block, slot_ids, past_len, base, think_open, seen_ids, seen_counts = flat.split(
+            [B * T, B, B, B, B, B, B, B * K, B * K])
+        inputs = {names.INPUT_IDS: ids.view(B, T), names.N_CAUSAL: n_causal, names.HAS_BLOCK: has_block,
+                  names.SLOT_IDS: slot_ids, names.PAST_LEN: past_len}
+        logits, coreset, self.pools = self.backend.step(inputs, self.pools)
+        if self.observer is not None:
+            self.observer(plan, logits.clone())
+        if not any(plan.has_block):  # prefill or commit rows only: nothing to select, nothing to read
+            return [[] for _ in range(B)], [0.0] * B
+
+        slots = slot_ids.long()
+        n = (base[:, None] + torch.arange(N, device=self.device)).float()
+        params = RowParams(self.params.index_select(0, slots))
+        rows = [r for r, req in enumerate(plan.requests) if req.params.do_sample]
+        gens = [self.generators[plan.requests[r].slot] for r in rows]
+        tok, conf = choose(logits, seen_ids.long().view(B, K), seen_counts.float().view(B, K), n, params,
+                           self.end_ids.index_select(0, slots), self.mask_id, self.think_end_id, think_open != 0,
+                           rows, gens, in_place=True)  # the logits are ours until the next step
+        block = ids.view(B, T)[:, T - N:]
+        new_block, _ = fill(block, tok, conf, params.threshold, self.mask_id, has_block != 0)
+        out = torch.cat([new_block, coreset.to(torch.int32).sum(1, keepdim=True)], 1).tolist()  # the one read
+        return [row[:N] for row in out], [row[N] / self.num_layers for row in out]

@@ -1,0 +1,199 @@
+"""Which request does what in the next step, and the step's row layout (STEP_GRAPH.md 1; DECODING.md 1, 4).
+
+Plain Python (no torch, no numpy), like nano-vllm's scheduler: it hands out
+cache slots, picks each active request's rows (a prefill chunk, the commit of
+the previous block folded into the next block's first denoise step, or a
+denoise block) and lays them out as flat int lists: per batch row, C causal
+rows (the first `n_causal` valid, left-aligned, padded) then `block_size`
+block rows, with C the most causal rows any row has this step. After the
+runner has filled positions, `update` moves each request on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from clover_export.runtime.request import Phase, Request
+
+PAD_ID = 0  # token id of padding causal rows (never read: n_causal excludes them)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Step shapes an engine accepts (one TensorRT optimisation profile): C and batch ranges."""
+
+    min_causal: int
+    max_causal: int
+    max_batch: int
+
+
+@dataclass
+class StepPlan:
+    """One step's inputs as flat lists (row-major), plus the requests in row order."""
+
+    requests: list[Request]
+    causal_rows: int  # C
+    block_size: int  # N
+    input_ids: list[int]  # B * (C + N)
+    n_causal: list[int]
+    has_block: list[int]
+    slot_ids: list[int]
+    past_len: list[int]
+    response_base: list[int]  # response index of block position 0, per row
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    @property
+    def width(self) -> int:
+        return self.causal_rows + self.block_size
+
+
+class Scheduler:
+    """Slots, admission, per-step layout and state transitions."""
+
+    def __init__(self, num_slots: int, block_size: int, prefill_chunk: int = 256,
+                 fold_commit: bool = True, early_stop: bool = True, shapes: list[StepShape] | None = None):
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
+        self.block_size = block_size
+        self.prefill_chunk = prefill_chunk
+        self.fold_commit = fold_commit
+        self.early_stop = early_stop
+        self.shapes = list(shapes) if shapes else None  # None: any C and batch
+        if self.shapes:
+            top = max(s.max_batch for s in self.shapes)
+            for b in range(1, top + 1):
+                if max(s.max_causal for s in self.shapes if s.max_batch >= b) < block_size:
+                    raise ValueError(f"no step shape takes {b} rows with a {block_size}-row commit")
+        self.free_slots = list(range(num_slots))[::-1]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._turn = 0  # rotation when an engine takes fewer rows than are running
+
+    # --- life cycle -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str | None = None) -> None:
+        """Leave the batch (done, stop string or cancelled); frees the slot at once."""
+        if req.finished:
+            return
+        if reason is not None:
+            req.finish_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+        req.phase = Phase.FINISHED
+
+    def admit(self) -> list[Request]:
+        """Give free slots to waiting requests (FIFO); returns the newly admitted ones."""
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            if req.prefill_ids:
+                req.phase = Phase.PREFILL
+            else:
+                req.new_block()
+                req.phase = Phase.DENOISE
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    # --- one step ------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """Lay out every running request's rows for the next step (None when idle)."""
+        if not self.running:
+            return None
+        N = self.block_size
+        reqs, chunk = self.running, self.prefill_chunk
+        if self.shapes:  # an engine with fixed profiles: fewer rows, smaller chunks, C padded up
+            top = max(s.max_batch for s in self.shapes)
+            if len(reqs) > top:
+                k = self._turn % len(reqs)
+                reqs = (reqs[k:] + reqs[:k])[:top]
+                self._turn = k + top
+            usable = [s for s in self.shapes if s.max_batch >= len(reqs)]
+            chunk = min(chunk, max(s.max_causal for s in usable))
+        rows = [self._rows(req, chunk) for req in reqs]
+        C = max(len(c) for c, _ in rows)
+        if self.shapes:
+            C = min(max(s.min_causal, C) for s in usable if s.max_causal >= C)
+        plan = StepPlan(list(reqs), C, N, [], [], [], [], [], [])
+        for req, (causal, block) in zip(reqs, rows):
+            plan.input_ids += causal + [PAD_ID] * (C - len(causal))
+            plan.input_ids += block if block is not None else [req.mask_id] * N
+            plan.n_causal.append(len(causal))
+            plan.has_block.append(int(block is not None))
+            plan.slot_ids.append(req.slot)
+            plan.past_len.append(req.past_len)
+            plan.response_base.append(req.response_base if block is not None else 0)
+        return plan
+
+    def _rows(self, req: Request, chunk_len: int) -> tuple[list[int], list[int] | None]:
+        """(causal tokens, block tokens or None) of one request for the next step."""
+        if req.phase is Phase.PREFILL:
+            chunk = req.prefill_ids[req.prefill_pos: req.prefill_pos + chunk_len]
+            last = req.prefill_pos + len(chunk) == len(req.prefill_ids)
+            if last and self.fold_commit:  # last prefill chunk folded into the first denoise step
+                if not req.block:
+                    req.new_block()
+                return chunk, req.block
+            return chunk, None
+        if req.phase is Phase.COMMIT:
+            return req.pending_commit, None
+        return req.pending_commit, req.block  # DENOISE (pending_commit empty unless folded)
+
+    def update(self, plan: StepPlan, blocks: list[list[int]], coreset: list[float]) -> list[Request]:
+        """Advance every request of the step; `blocks` are the block tokens after the step.
+
+        Returns the requests whose block resolved this step (their `response`
+        grew); finished ones have already left the batch.
+        """
+        resolved = []
+        for r, req in enumerate(plan.requests):
+            if req.finished:  # cancelled while the step ran
+                continue
+            n_causal = plan.n_causal[r]
+            req.past_len += n_causal
+            if req.phase is Phase.PREFILL:
+                req.prefill_pos += n_causal
+                if req.prefill_pos < len(req.prefill_ids):
+                    continue
+                if not plan.has_block[r]:  # prefill done without folding: the block starts next step
+                    req.new_block()
+                    req.phase = Phase.DENOISE
+                    continue
+                req.phase = Phase.DENOISE
+            elif req.phase is Phase.COMMIT:
+                req.unfolded_commits += 1
+                req.pending_commit = []
+                req.new_block()
+                req.phase = Phase.DENOISE
+                continue
+            req.pending_commit = []
+            req.block = blocks[r]
+            req.denoise_steps += 1
+            req.coreset_sum += coreset[r]
+            if not req.block_resolved(self.early_stop):
+                continue
+            resolved.append(req)
+            if req.take_block():
+                self.finish(req)
+            elif self.fold_commit:
+                req.pending_commit = req.block
+                req.new_block()
+            else:
+                req.pending_commit = req.block
+                req.block = []
+                req.phase = Phase.COMMIT
+        return resolved
