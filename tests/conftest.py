@@ -12,6 +12,13 @@ import pytest
 os.environ.setdefault("CLOVER_EXPORT_CACHE", tempfile.mkdtemp(prefix="clover-test-cache-"))
 
 
+def pytest_configure(config):
+    """Tiny models on 2 shared cores: torch's intra-op threads spin and make small ops many times slower."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     """The embedded default model folder."""

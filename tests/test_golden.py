@@ -16,7 +16,6 @@ from clover_export.cli import main
 from clover_export.runtime.golden import read_golden, write_golden
 
 transformers = pytest.importorskip("transformers")
-torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 

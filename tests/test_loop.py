@@ -32,7 +32,6 @@ from clover_export.runtime.backends.torch_backend import TorchBackend
 from clover_export.runtime.generator import Generator
 from clover_export.runtime.tokenizer import ChatTokenizer
 
-torch.set_num_threads(1)  # two shared cores: OpenMP spinning makes small ops 40x slower
 
 LOGIT_EPS = 5e-4  # top-2 logit gap of a filled position below this: unclear
 LOGIT_NOISE = 1e-5  # logit differences the two sides may have (fp32, other summation orders)

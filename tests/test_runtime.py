@@ -15,7 +15,6 @@ from clover_export.runtime.backends.torch_backend import TorchBackend
 from clover_export.runtime.generator import Generator, context_needed
 from clover_export.runtime.tokenizer import ChatTokenizer
 
-torch.set_num_threads(1)
 
 LOGIT_ATOL = 1e-4
 PROMPT = "What is 123 + 456?"

@@ -8,7 +8,6 @@ import torch
 
 from test_loop import LONG, PROMPTS, check_same, run_both  # the literal DECODING.md reference, margin rule
 
-torch.set_num_threads(1)
 
 
 def exporter_api():

@@ -12,7 +12,7 @@ OUT/
   onnx-bf16/       bf16 step graph: what TensorRT parses for a bf16 engine
   onnx-fp8/        FP8 Q/DQ graph on fp32 activations: FP8 accuracy measured in ONNX Runtime
   onnx-fp8-bf16/   FP8 Q/DQ graph on the bf16 graph: what TensorRT parses for an FP8 engine
-  engine-<precision>.plan
+  <graph>/engine.plan   the engine, beside the graph it was built from (named in that manifest)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Callable
 from clover_export.errors import CloverError
 
 BUILD_FILE = "build.json"
+ENGINE_FILE = "engine.plan"
 FP8_MIN_AGREEMENT = 0.97  # top-1 agreement of the FP8 graph with the fp32 graph (issue target)
 
 
@@ -229,14 +230,18 @@ def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, lo
     from clover_export.exporter.artifact import load_artifact
 
     art = load_artifact(graph)
-    plan_path = out / f"engine-{opts.precision}.plan"
+    plan_path = graph / ENGINE_FILE  # beside its graph: `generate GRAPH_DIR --backend trt` finds it there
     key = _key("engine", opts.precision, opts.strip_weights, facts.tensorrt, facts.gpus[0]["name"], *base)
     if stages.done("engine", key, plan_path):
-        log(f"[engine] reused {plan_path.name}")
+        log(f"[engine] reused {plan_path}")
         res.engine = plan_path
         return
     settings = BuildSettings(opts.precision, 4 * 1024**3, opts.strip_weights, str(out / "timing.cache"))
     info = build_engine(art.graph_path, plan_path, art.manifest["profiles"], settings)
-    log(f"[engine] {plan_path.name}: {info['bytes'] / 2**20:.1f} MiB, TensorRT {info['tensorrt']}")
+    manifest = {**art.manifest, "engine": ENGINE_FILE, "engine_info": info}
+    from clover_export.engines.tensorrt_build import atomic_write
+
+    atomic_write(graph / "manifest.json", json.dumps(manifest, indent=2).encode())
+    log(f"[engine] {plan_path}: {info['bytes'] / 2**20:.1f} MiB, TensorRT {info['tensorrt']}")
     stages.record("engine", key, {**info, "graph": graph.name})
     res.engine = plan_path

@@ -24,6 +24,8 @@ WEIGHTS_DIR = "weights"
 FORMAT = "clover-export/step-graph"
 FORMAT_VERSION = 1
 WEIGHT_MODES = ("link", "map", "copy")
+# copied from the model folder into every export: tokenizer, chat template, generation defaults
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,9 @@ def export(
         (tmp / A.WEIGHT_MAP).write_text(json.dumps({"mode": writer.report.mode, "tensors": writer.weight_map}))
         manifest = _manifest(cfg, model_dir, dtype, N, chunk, max_batch, slots, max_len, traced, writer.report)
         (tmp / A.MANIFEST).write_text(json.dumps(manifest, indent=2))
+        for fname in A.COMPANION_FILES:  # the runtime needs them; the model folder may move
+            if (model_dir / fname).is_file():
+                shutil.copyfile(model_dir / fname, tmp / fname)
         from clover_export.exporter.check import check_folder
 
         report = check_folder(tmp, proto=proto)

@@ -76,13 +76,11 @@ class TrtBackend:
         self.model_dtype = torch.bfloat16 if manifest.get("dtype", "bf16") == "bf16" else torch.float32
         for lib in manifest.get("plugin_libraries", []):
             ctypes.CDLL(str(folder / lib), mode=ctypes.RTLD_GLOBAL)
-        logger = trt.Logger(trt.Logger.WARNING)
-        trt.init_libnvinfer_plugins(logger, "")
-        self.runtime = trt.Runtime(logger)
-        self.engine = self.runtime.deserialize_cuda_engine(engine_path.read_bytes())
-        if self.engine is None:
-            raise CloverError("runtime", f"{engine_path}: TensorRT could not deserialize the engine",
-                              "engines are tied to the TensorRT version and GPU they were built with; rebuild it")
+        from clover_export.engines.tensorrt_build import load_engine
+
+        # one loader for build and runtime: registers the clover:: plugins, refits a weight-stripped plan
+        info = manifest.get("engine_info", {})
+        self.engine = load_engine(engine_path, folder / manifest.get("graph", "model.onnx"), bool(info.get("stripped")))
         self.context = self.engine.create_execution_context()
         self.tensor_names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.input_dtypes = {n: self._torch_dtype(self.engine.get_tensor_dtype(n)) for n in self.tensor_names}
