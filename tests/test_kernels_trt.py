@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 
-from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, CONTRACTS, CORESET_MOE
+from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, CONTRACTS, CORESET_MOE, CORESET_MOE_FP8
 from clover_export.plugins.trt import plan
 
 GDN_SHAPES = {"mixed_qkv": (2, 64, 8192), "a": (2, 64, 32), "b": (2, 64, 32), "conv_w": (8192, 4),
@@ -41,6 +41,16 @@ def test_output_decls_alias_the_pools():
                                           "down": (256, 2048, 512)}, {"top_k": 8, "top_p": 0.9, "coreset": 1,
                                                                       "block_size": 32})
     assert [(d.shape, d.dtype_of, d.dtype) for d in moe] == [((1, 64, 2048), "x", None), ((1,), None, "int32")]
+    fp8 = plan.output_decls(CORESET_MOE_FP8, {"x": (1, 64, 2048), "router_w": (256, 2048),
+                                              "gate_up_fp8": (256, 1024, 2048), "gate_up_scale": (256, 1024),
+                                              "down_fp8": (256, 2048, 512), "down_scale": (256, 2048)},
+                            {"top_k": 8, "top_p": 0.9, "coreset": 1, "block_size": 32})
+    assert fp8 == moe
+    with pytest.raises(ValueError, match="dim I2"):  # scales must match the weights' output channels
+        plan.output_decls(CORESET_MOE_FP8, {"x": (1, 64, 2048), "router_w": (256, 2048),
+                                            "gate_up_fp8": (256, 1024, 2048), "gate_up_scale": (256, 512),
+                                            "down_fp8": (256, 2048, 512), "down_scale": (256, 2048)},
+                          {"top_k": 8, "top_p": 0.9, "coreset": 1, "block_size": 32})
 
 
 def test_autotune_combinations():
@@ -52,9 +62,15 @@ def test_autotune_combinations():
     fp32_params = dict(zip(names, gdn[1].split(", ")))
     assert fp32_params["A_log"] == "FP32" and fp32_params["mixed_qkv"] == "BF16" and fp32_params["conv_pool"] == "BF16"
     assert fp32_params["rec_pool"] == fp32_params["rec_pool_out"] == "FP32" and fp32_params["slot_ids"] == "INT32"
-    # FP8 expert weights need per-channel scale inputs, which the current contract does not have
-    has_scales = {"gate_up_scale", "down_scale"} <= {t.name for t in CORESET_MOE.inputs}
-    assert any("FP8" in s for s in plan.autotune_strings(CORESET_MOE)) == has_scales
+    # FP8 expert weights come with per-channel scale inputs: FP8 appears exactly where those exist
+    for c in CONTRACTS.values():
+        has_scales = {"gate_up_scale", "down_scale"} <= {t.name for t in c.inputs}
+        assert all(("FP8" in s) == has_scales for s in plan.autotune_strings(c)), c.name
+    names = [t.name for t in CORESET_MOE_FP8.inputs] + [t.name for t in CORESET_MOE_FP8.outputs]
+    fp8 = [dict(zip(names, s.split(", "))) for s in plan.autotune_strings(CORESET_MOE_FP8)]
+    assert fp8[0] == {"x": "BF16", "router_w": "BF16", "gate_up_fp8": "FP8", "gate_up_scale": "FP32",
+                      "down_fp8": "FP8", "down_scale": "FP32", "routed": "BF16", "coreset_size": "INT32"}
+    assert [c["x"] for c in fp8] == ["BF16", "FP32"] and all(c["down_fp8"] == "FP8" for c in fp8)
 
 
 def test_aot_plans():
@@ -65,8 +81,21 @@ def test_aot_plans():
     p = plan.aot_plan("BlockAttention", ATT_SHAPES, ATT_ATTRS, plan.io_dtypes(BLOCK_ATTENTION, "bfloat16"), 90)
     assert p.grid == (64 * 8 // p.variant.constexprs["BLOCK_M"], 4, 1)
     assert p.scalars == (("q", 1), ("key_pool", 2)) and p.variant.constexprs["SCALE"] == 0.0625
-    with pytest.raises(ValueError, match="JIT"):
-        plan.aot_plan("CoresetMoE", {}, {}, {}, 90)
+    for op in plan.JIT_OPS:
+        with pytest.raises(ValueError, match="JIT"):
+            plan.aot_plan(op, {}, {}, {}, 90)
+    assert set(plan.AOT_OPS) | set(plan.JIT_OPS) == set(CONTRACTS) and not set(plan.AOT_OPS) & set(plan.JIT_OPS)
+
+
+def test_jit_ops_have_a_triton_path_taking_the_contract_arguments():
+    import inspect
+
+    from clover_export.plugins import cuda_ops
+
+    for op in plan.JIT_OPS:
+        c = CONTRACTS[op]
+        params = list(inspect.signature(cuda_ops.kernel(op)).parameters)
+        assert params == [t.name for t in c.inputs] + [a.name for a in c.attributes], op
 
 
 # ---------------------------------------------------------------- register.py with the real TensorRT

@@ -33,7 +33,7 @@ def test_contract_is_well_formed(name):
     ins = {t.name for t in c.inputs}
     for spec in c.inputs + c.outputs:
         rule = spec.dtype
-        assert rule in ("float", "float32", "int32") or (rule.startswith("like:") and rule[5:] in ins), rule
+        assert rule in ("float", *C.FIXED_DTYPES) or (rule.startswith("like:") and rule[5:] in ins), rule
     for a in c.attributes:
         assert a.type in C.ATTR_TYPES
     for out, inp in c.aliases.items():  # an aliased output has the input's shape and dtype
@@ -59,10 +59,14 @@ def _inputs(seed=0):
     att = dict(q=rn(B, Tc + N, 4, 8), k=rn(B, Tc + N, 2, 8), v=rn(B, Tc + N, 2, 8), key_pool=rn(S, 2, 20, 8),
                value_pool=rn(S, 2, 20, 8), slot_ids=i32([1, 2]), past_len=i32([0, 7]), n_causal=i32([6, 3]))
     moe = dict(x=rn(B, Tc + N, 16), router_w=rn(8, 16), gate_up=rn(8, 24, 16), down=rn(8, 16, 12))
+    fp8 = dict(x=moe["x"], router_w=moe["router_w"])
+    for w in ("gate_up", "down"):  # e4m3 with one scale per output row, amax -> 448
+        scale = moe[w].abs().amax(-1) / 448
+        fp8[f"{w}_fp8"], fp8[f"{w}_scale"] = (moe[w] / scale[..., None]).to(torch.float8_e4m3fn), scale
+    moe_attrs = dict(top_k=2, top_p=0.9, coreset=True, block_size=N)
     attrs = {"BlockGDN": dict(num_k_heads=Hk, head_k_dim=dk, head_v_dim=dv, block_size=N),
-             "BlockAttention": dict(block_size=N, scale=8**-0.5),
-             "CoresetMoE": dict(top_k=2, top_p=0.9, coreset=True, block_size=N)}
-    return {"BlockGDN": gdn, "BlockAttention": att, "CoresetMoE": moe}, attrs
+             "BlockAttention": dict(block_size=N, scale=8**-0.5), "CoresetMoE": moe_attrs, "CoresetMoEFP8": moe_attrs}
+    return {"BlockGDN": gdn, "BlockAttention": att, "CoresetMoE": moe, "CoresetMoEFP8": fp8}, attrs
 
 
 @pytest.mark.parametrize("name", list(C.CONTRACTS))
@@ -128,3 +132,30 @@ def test_manifest_entry_changes_when_a_contract_changes():
     changed = dataclasses.replace(C.BLOCK_GDN, attributes=C.BLOCK_GDN.attributes[:-1])
     assert changed.fingerprint() != before
     assert set(C.manifest_entry()) == {"clover::BlockGDN", "clover::BlockAttention", "clover::CoresetMoE"}
+    fp8 = C.manifest_entry(["BlockGDN", "CoresetMoEFP8"])
+    assert set(fp8) == {"clover::BlockGDN", "clover::CoresetMoEFP8"}
+    assert fp8["clover::CoresetMoEFP8"]["fingerprint"] == C.CORESET_MOE_FP8.fingerprint() != C.CORESET_MOE.fingerprint()
+
+
+def test_fp8_variant_keeps_the_base_interface():
+    """CoresetMoEFP8 is CoresetMoE on dequantised weights: same attributes, outputs, x and router inputs."""
+    fp8, base = C.CORESET_MOE_FP8, C.CONTRACTS[C.CORESET_MOE_FP8.variant_of]
+    assert base is C.CORESET_MOE and C.STEP_OPS == ("BlockGDN", "BlockAttention", "CoresetMoE")
+    assert fp8.attributes == base.attributes and fp8.outputs == base.outputs
+    assert fp8.inputs[:2] == base.inputs[:2]
+    for w in ("gate_up", "down"):  # same [E, out, in] layout, scales [E, out]
+        assert fp8.input(f"{w}_fp8").shape == base.input(w).shape
+        assert fp8.input(f"{w}_scale").shape == base.input(w).shape[:2]
+        assert (fp8.input(f"{w}_fp8").dtype, fp8.input(f"{w}_scale").dtype) == ("float8_e4m3fn", "float32")
+
+
+def test_fp8_reference_is_the_core_on_dequantised_weights():
+    tensors, attrs = _inputs(2)
+    t, a = tensors["CoresetMoEFP8"], attrs["CoresetMoEFP8"]
+    deq = {w: t[f"{w}_fp8"].float() * t[f"{w}_scale"][..., None] for w in ("gate_up", "down")}
+    got = reference_core(C.CORESET_MOE_FP8)(*t.values(), *a.values())
+    want = reference_core(C.CORESET_MOE)(t["x"], t["router_w"], deq["gate_up"], deq["down"], *a.values())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    exact = reference_core(C.CORESET_MOE)(*tensors["CoresetMoE"].values(), *a.values())[0]
+    err = (got[0] - exact).abs().max() / exact.abs().max()
+    assert 0 < err < 0.1, err  # the weights really are e4m3-rounded, and only that

@@ -8,8 +8,9 @@ From an exported fp32 (or bf16) artefact this writes a new artefact folder:
   per-tensor scale from calibration (amax / 448), shared by the GEMMs that
   read the same x;
 - the routed experts become e4m3 [E, out, in] + scales [E, out] fed to
-  `clover::CoresetMoEFP8` (BF16 activations; its function body dequantises
-  and calls `clover::CoresetMoE`, so ONNX Runtime runs it anywhere).
+  `clover::CoresetMoEFP8` (contract `plugins/contracts.py`, BF16
+  activations; its function body dequantises, then computes CoresetMoE, so
+  ONNX Runtime runs it anywhere). Functions no node calls any more are dropped.
 Weights are quantised one tensor at a time, read through the artefact's
 weight map (memory-mapped), and appended to `weights/fp8.bin`; nothing else
 is copied (the remaining tensors keep pointing at the source's files).
@@ -30,11 +31,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from clover_export.engines.quantize import activation_scale, quantize_weight
 from clover_export.errors import CloverError
+from clover_export.plugins.contracts import CORESET_MOE, CORESET_MOE_FP8, NAMESPACE, manifest_entry
+from clover_export.plugins.onnx_ops import function_proto
 from clover_export.sizing import fp8_weight_names
 
 FP8_BIN = "fp8.bin"
 ALIGN = 4096
-FP8_OP = "CoresetMoEFP8"
 
 
 @dataclass
@@ -137,44 +139,6 @@ def _read_weight(art_dir: Path, entry: dict) -> torch.Tensor:
     return t.view(torch.bfloat16).float() if entry["dtype"] == "BF16" else t.float()
 
 
-def fp8_function_proto() -> onnx.FunctionProto:
-    """`clover::CoresetMoEFP8`: dequantise the e4m3 experts, then `clover::CoresetMoE` (same attributes)."""
-    from clover_export.plugins.contracts import CONTRACTS
-    from clover_export.plugins.onnx_ops import OPSET, PLUGIN_ATTRS
-
-    moe = CONTRACTS["CoresetMoE"]
-    attrs = [a.name for a in moe.attributes]
-    nodes = [helper.make_node("Constant", [], ["axis"], value_ints=[-1])]
-    for w in ("gate_up", "down"):
-        nodes += [
-            helper.make_node("Cast", [f"{w}_fp8"], [f"{w}_f"], to=TensorProto.FLOAT),
-            helper.make_node("Unsqueeze", [f"{w}_scale", "axis"], [f"{w}_s"]),
-            helper.make_node("Mul", [f"{w}_f", f"{w}_s"], [f"{w}_f32"]),
-            helper.make_node("CastLike", [f"{w}_f32", "x"], [w]),
-        ]
-    call = helper.make_node(moe.name, ["x", "router_w", "gate_up", "down"], [o.name for o in moe.outputs],
-                            domain=moe.namespace)
-    for a in attrs + list(PLUGIN_ATTRS):
-        call.attribute.append(onnx.AttributeProto(name=a, ref_attr_name=a, type=_attr_type(moe, a)))
-    nodes.append(call)
-    return helper.make_function(
-        moe.namespace, FP8_OP,
-        inputs=["x", "router_w", "gate_up_fp8", "gate_up_scale", "down_fp8", "down_scale"],
-        outputs=[o.name for o in moe.outputs], nodes=nodes,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(moe.namespace, int(moe.version))],
-        attributes=attrs + list(PLUGIN_ATTRS),
-        doc_string="CoresetMoE with e4m3 expert weights and fp32 per-output-channel scales [E, out]; "
-                   "activations stay in the model dtype.",
-    )
-
-
-def _attr_type(contract, name: str) -> int:
-    for a in contract.attributes:
-        if a.name == name:
-            return onnx.AttributeProto.FLOAT if a.type == "float" else onnx.AttributeProto.INT
-    return onnx.AttributeProto.STRING
-
-
 def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False) -> Fp8Report:
     """Write the FP8 artefact of the exported folder `src_dir` into `out_dir` (atomically)."""
     from clover_export.checkpoint import replace_dir
@@ -195,6 +159,7 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
     writer = _Fp8Writer(tmp)
     try:
         new_nodes: list[onnx.NodeProto] = []
+        weight_nodes: list[onnx.NodeProto] = []  # weight DQ (+ Cast): first, their Transpose comes before the MatMul
         qdq_of: dict[str, str] = {}  # activation -> its DQ output
         zero = helper.make_tensor("fp8_zero_point", TensorProto.FLOAT8E4M3FN, [], [0])
         g.initializer.append(zero)
@@ -207,10 +172,10 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
                     w8, s = writer.add(wname, _read_weight(art.dir, wmap[wname]))
                     g.initializer.extend([w8, s])
                     drop.add(wname)
-                    new_nodes.append(helper.make_node("DequantizeLinear", [w8.name, s.name], [f"{wname}.dq"], axis=0,
-                                                      name=f"{wname}.DequantizeLinear"))
+                    weight_nodes.append(helper.make_node("DequantizeLinear", [w8.name, s.name], [f"{wname}.dq"],
+                                                         axis=0, name=f"{wname}.DequantizeLinear"))
                     if art.dtype != "fp32":
-                        new_nodes.append(helper.make_node("Cast", [f"{wname}.dq"], [f"{wname}.dq.cast"],
+                        weight_nodes.append(helper.make_node("Cast", [f"{wname}.dq"], [f"{wname}.dq.cast"],
                                                           to=TensorProto.BFLOAT16))
                     tr.input[0] = f"{wname}.dq" if art.dtype == "fp32" else f"{wname}.dq.cast"
                     x = node.input[0]
@@ -218,7 +183,7 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
                         qdq_of[x] = _activation_qdq(new_nodes, g, x, amax[wname], report, art.dtype)
                     node.input[0] = qdq_of[x]
                     report.gemms += 1
-            if node.op_type == "CoresetMoE" and node.domain == "clover":
+            if node.op_type == CORESET_MOE.name and node.domain == NAMESPACE:
                 fused = node.input[2:4]
                 if not all(n in inits for n in fused):
                     raise CloverError("fp8", f"{node.name}: expert weights are not plain initializers",
@@ -230,21 +195,22 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
                     drop.add(wname)
                     args += [w8.name, s.name]
                     report.expert_tensors += 1
-                node.op_type = FP8_OP
+                node.op_type = CORESET_MOE_FP8.name  # same attributes; inputs in the FP8 contract's order
                 del node.input[2:]
                 node.input.extend(args)
             new_nodes.append(node)
-        _replace_nodes(g, new_nodes)
+        _replace_nodes(g, weight_nodes + new_nodes)
         kept = [i for i in g.initializer if i.name not in drop]
         del g.initializer[:]
         g.initializer.extend(kept)
         linked = _link_source_files(g, art.dir, tmp)
-        proto.functions.append(fp8_function_proto())
+        used = _attach_functions(proto, function_proto(CORESET_MOE_FP8))
         writer.close()
         report.bytes_written = writer.offset
         onnx.save(proto, str(tmp / "model.onnx"))
         manifest = dict(art.manifest)
         manifest["quantization"] = {**report.to_dict(), "source": str(art.dir.resolve())}
+        manifest["ops"] = manifest_entry(used)
         manifest["weights"] = {**manifest["weights"], "fp8_file": f"weights/{FP8_BIN}", "source_files": linked}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         fp8_map = {k: v for k, v in wmap.items() if k not in drop}
@@ -276,6 +242,15 @@ def _activation_qdq(nodes, g, x: str, amax: float, report: Fp8Report, dtype: str
         return f"{x}.dq"
     nodes.append(helper.make_node("Cast", [f"{x}.dq"], [f"{x}.dq.cast"], to=TensorProto.BFLOAT16))
     return f"{x}.dq.cast"
+
+
+def _attach_functions(proto: onnx.ModelProto, fp8: onnx.FunctionProto) -> list[str]:
+    """Attach the CoresetMoEFP8 function, keep only the functions some node calls; returns the custom ops used."""
+    used = {n.op_type for n in proto.graph.node if n.domain == NAMESPACE}
+    kept = [f for f in proto.functions if f.domain == NAMESPACE and f.name in used and f.name != fp8.name]
+    del proto.functions[:]
+    proto.functions.extend(kept + ([fp8] if fp8.name in used else []))
+    return sorted(used)
 
 
 def _replace_nodes(g, nodes) -> None:

@@ -1,6 +1,7 @@
 """The routed-expert core: router, top-k or block coreset, experts, weighted sum (MODEL.md 4, 5.3).
 
-`moe_core` is the contract of the `clover::CoresetMoE` op (STEP_GRAPH.md 2).
+`moe_core` is the contract of the `clover::CoresetMoE` op (STEP_GRAPH.md 2),
+`moe_core_fp8` that of `clover::CoresetMoEFP8` (STEP_GRAPH.md 4).
 Causal rows route with plain top-k; block rows (per batch row) route within
 the block's expert coreset when it is enabled. The shared expert stays outside.
 """
@@ -56,3 +57,21 @@ def moe_core(
         out = out + F.linear(F.silu(gate) * up, down[e]) * weights[..., e:e + 1]
     distinct = chosen[:, Tc:].any(dim=1).sum(-1).to(torch.int32)
     return out, distinct
+
+
+def moe_core_fp8(
+    x: torch.Tensor,  # [B, T, D] normalised hidden states, model dtype (activations stay unquantised)
+    router_w: torch.Tensor,  # [E, D] model dtype
+    gate_up_fp8: torch.Tensor,  # [E, 2I, D] float8_e4m3fn
+    gate_up_scale: torch.Tensor,  # [E, 2I] fp32, one per output channel
+    down_fp8: torch.Tensor,  # [E, D, I] float8_e4m3fn
+    down_scale: torch.Tensor,  # [E, D] fp32
+    top_k: int,
+    top_p: float,
+    coreset: bool,
+    block_size: int,
+):
+    """`moe_core` on the dequantised experts: W = (fp8 as fp32 * scale per output row), cast to x's dtype."""
+    gate_up = (gate_up_fp8.float() * gate_up_scale.float()[..., None]).to(x.dtype)
+    down = (down_fp8.float() * down_scale.float()[..., None]).to(x.dtype)
+    return moe_core(x, router_w, gate_up, down, top_k, top_p, coreset, block_size)

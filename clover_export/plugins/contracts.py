@@ -1,4 +1,9 @@
-"""The three custom ops, each described once (STEP_GRAPH.md 2).
+"""The custom ops, each described once (STEP_GRAPH.md 2, 4).
+
+The exported step graph uses three (`BlockGDN`, `BlockAttention`,
+`CoresetMoE`, the model's `Cores`); the FP8 graph (`engines/fp8.py`)
+replaces each `CoresetMoE` by `CoresetMoEFP8`, the same op on e4m3 expert
+weights with fp32 per-output-channel scales (`variant_of`).
 
 Plain data, no torch / onnx / tensorrt import: the torch custom ops
 (`torch_ops.py`), the ONNX emitters and function bodies (`onnx_ops.py`),
@@ -11,7 +16,9 @@ Conventions
   attribute takes the attribute's value. Every name of an output shape is
   bound by some input shape or attribute (`output_shapes` resolves them).
 - dtype rules: "float" (any of FLOAT_DTYPES: the graph's model dtype or
-  float32), "float32", "int32", or "like:<input>" (same dtype as that input).
+  float32), a fixed dtype of FIXED_DTYPES ("float32", "int32",
+  "float8_e4m3fn": e4m3 weights, torch's name), or "like:<input>" (same
+  dtype as that input).
 - `aliases`: output -> input it updates in place on TensorRT (the plugin
   declares the alias; nothing is copied). ONNX function bodies compute the
   same values functionally.
@@ -30,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 NAMESPACE = "clover"  # ONNX domain, TensorRT plugin namespace, torch.library namespace
 PLUGIN_VERSION = "1"
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+FIXED_DTYPES = ("float32", "int32", "float8_e4m3fn")  # torch.<name>; ONNX float8e4m3fn
 ATTR_TYPES = ("int", "float", "bool")
 
 
@@ -37,7 +45,7 @@ ATTR_TYPES = ("int", "float", "bool")
 class TensorSpec:
     name: str
     shape: tuple[str, ...]
-    dtype: str  # "float" | "float32" | "int32" | "like:<input name>"
+    dtype: str  # "float" | one of FIXED_DTYPES | "like:<input name>"
     doc: str = ""
 
     @property
@@ -61,6 +69,7 @@ class OpContract:
     outputs: tuple[TensorSpec, ...]
     aliases: dict[str, str] = field(default_factory=dict)  # output name -> input name
     doc: str = ""
+    variant_of: str = ""  # a quantised form of that op (the exporter emits the base op; engines/fp8.py rewrites)
     namespace: str = NAMESPACE
     version: str = PLUGIN_VERSION
 
@@ -184,7 +193,29 @@ CORESET_MOE = OpContract(
     ),
 )
 
-CONTRACTS: dict[str, OpContract] = {c.name: c for c in (BLOCK_GDN, BLOCK_ATTENTION, CORESET_MOE)}
+CORESET_MOE_FP8 = OpContract(
+    name="CoresetMoEFP8",
+    reference="clover_export.model.moe:moe_core_fp8",
+    variant_of=CORESET_MOE.name,
+    doc=(
+        "CoresetMoE with e4m3 (float8e4m3fn) expert weights (STEP_GRAPH.md 4): W = fp8 * scale, one fp32 "
+        "scale per output channel (row), cast to x's dtype; then exactly CoresetMoE. Activations and the "
+        "router stay in the model dtype."
+    ),
+    inputs=(
+        CORESET_MOE.input("x"),
+        CORESET_MOE.input("router_w"),
+        _t("gate_up_fp8", "E I2 D", "float8_e4m3fn", "rows: gate (I) then up (I)"),
+        _t("gate_up_scale", "E I2", "float32", "per output channel"),
+        _t("down_fp8", "E D I", "float8_e4m3fn"),
+        _t("down_scale", "E D", "float32", "per output channel"),
+    ),
+    attributes=CORESET_MOE.attributes,
+    outputs=CORESET_MOE.outputs,
+)
+
+CONTRACTS: dict[str, OpContract] = {c.name: c for c in (BLOCK_GDN, BLOCK_ATTENTION, CORESET_MOE, CORESET_MOE_FP8)}
+STEP_OPS = tuple(c.name for c in CONTRACTS.values() if not c.variant_of)  # what the exporter's graph holds
 
 
 def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object]) -> dict[str, object]:
@@ -217,6 +248,7 @@ def output_dtype_source(spec: TensorSpec) -> str | None:
     return spec.dtype.split(":", 1)[1] if spec.dtype.startswith("like:") else None
 
 
-def manifest_entry() -> dict[str, dict]:
-    """What an artefact records about the ops it uses."""
-    return {c.qualname: {"version": c.version, "fingerprint": c.fingerprint()} for c in CONTRACTS.values()}
+def manifest_entry(names=STEP_OPS) -> dict[str, dict]:
+    """What an artefact records about the ops it uses (contract names; default: the exported graph's)."""
+    return {CONTRACTS[n].qualname: {"version": CONTRACTS[n].version, "fingerprint": CONTRACTS[n].fingerprint()}
+            for n in sorted(names)}

@@ -2,8 +2,10 @@
 
 `register()` makes the kernels the CUDA kernels of the functional ops of
 `torch_ops.py` (`clover::BlockGDN`, `clover::BlockAttention`,
-`clover::CoresetMoE`). Those ops are functional (they return new pools), so
-their CUDA kernels copy the pools first and update the copies in place.
+`clover::CoresetMoE`, `clover::CoresetMoEFP8`). The first two are functional
+(they return new pools), so their CUDA kernels copy the pools first and
+update the copies in place. `kernel(name)` is the MoE ops' Triton path in
+the contract's argument order (the TensorRT JIT plugins call it too).
 
 The runtime wants no copy: `register()` also defines in-place twins,
 `clover::BlockGDNInPlace` and `clover::BlockAttentionInPlace`, which mutate
@@ -18,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from clover_export.plugins import torch_ops
-from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, CORESET_MOE, OpContract, output_shapes
+from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_GDN, CORESET_MOE, CORESET_MOE_FP8, OpContract,
+                                            output_shapes)
 
 _REGISTERED: set[str] = set()
 
@@ -27,6 +30,26 @@ def _kernels():
     from clover_export.plugins.triton import ops
 
     return ops
+
+
+def coreset_moe(x, router_w, gate_up, down, top_k: int, top_p: float, coreset: bool, block_size: int):
+    """`clover::CoresetMoE` on the Triton kernels: (routed, coreset_size)."""
+    return tuple(_kernels().coreset_moe(x, router_w, gate_up, down, top_k, top_p, coreset, block_size))
+
+
+def coreset_moe_fp8(x, router_w, gate_up_fp8, gate_up_scale, down_fp8, down_scale, top_k: int, top_p: float,
+                    coreset: bool, block_size: int):
+    """`clover::CoresetMoEFP8` on the Triton kernels (e4m3 weights widened in registers, fp32 scales)."""
+    return tuple(_kernels().coreset_moe(x, router_w, gate_up_fp8, down_fp8, top_k, top_p, coreset, block_size,
+                                        gate_up_scale=gate_up_scale, down_scale=down_scale))
+
+
+_MOE_KERNELS = {CORESET_MOE.name: coreset_moe, CORESET_MOE_FP8.name: coreset_moe_fp8}
+
+
+def kernel(name: str):
+    """The Triton implementation of a MoE op, taking its contract's arguments in order."""
+    return _MOE_KERNELS[name]
 
 
 def inplace_schema(contract: OpContract) -> str:
@@ -94,10 +117,11 @@ def register(device_type: str = "cuda") -> dict[str, object]:
         if f"{contract.qualname}InPlace" not in _REGISTERED:
             _define_inplace(contract, fn)
             _REGISTERED.add(f"{contract.qualname}InPlace")
-    key = f"{CORESET_MOE.qualname}:{device_type}"
-    if key not in _REGISTERED:
-        torch.library.register_kernel(CORESET_MOE.qualname, device_type, lambda *a: tuple(ops.coreset_moe(*a)))
-        _REGISTERED.add(key)
+    for contract in (CORESET_MOE, CORESET_MOE_FP8):
+        key = f"{contract.qualname}:{device_type}"
+        if key not in _REGISTERED:
+            torch.library.register_kernel(contract.qualname, device_type, kernel(contract.name))
+            _REGISTERED.add(key)
     ns = getattr(torch.ops, BLOCK_GDN.namespace)
     return {c.name: getattr(ns, f"{c.name}InPlace").default for c, _ in impls}
 

@@ -1,4 +1,4 @@
-"""Standard-op ONNX bodies of the three custom ops (STEP_GRAPH.md 2).
+"""Standard-op ONNX bodies of the custom ops (STEP_GRAPH.md 2, 4).
 
 Each body reproduces its plain-torch core (`contracts.*.reference`) in
 float32 and casts outputs back to the input dtypes, so one FunctionProto
@@ -320,4 +320,16 @@ def moe_body() -> list[onnx.NodeProto]:
     return b.nodes
 
 
-BODIES = {"BlockGDN": gdn_body, "BlockAttention": attention_body, "CoresetMoE": moe_body}
+# --- clover::CoresetMoEFP8 ------------------------------------------------------
+def moe_fp8_body() -> list[onnx.NodeProto]:
+    """moe.moe_core_fp8: W = Cast(fp8, float) * scale[..., None], CastLike x, then the CoresetMoE body inline
+    (self-contained: no nested function call, so the function runs wherever it is attached)."""
+    b = Body("q")
+    for w in ("gate_up", "down"):
+        deq = b.op("Mul", b.f(f"{w}_fp8"), b.unsq(f"{w}_scale", -1))
+        b.nodes.append(onnx.helper.make_node("CastLike", [deq, "x"], [w]))  # the names moe_body reads
+    return b.nodes + moe_body()
+
+
+BODIES = {"BlockGDN": gdn_body, "BlockAttention": attention_body, "CoresetMoE": moe_body,
+          "CoresetMoEFP8": moe_fp8_body}

@@ -1,4 +1,4 @@
-"""The custom ops in ONNX: node emitters for torch.onnx and model-local functions (STEP_GRAPH.md 2).
+"""The custom ops in ONNX: node emitters for torch.onnx and model-local functions (STEP_GRAPH.md 2, 4).
 
 - `op_schema(contract)`: an `onnx.defs.OpSchema` made from the contract
   (not registered globally), so the emitter needs no hand-written onnxscript.
@@ -16,12 +16,12 @@ from __future__ import annotations
 import onnx
 from onnx import defs, helper
 
-from clover_export.plugins.contracts import CONTRACTS, NAMESPACE, PLUGIN_VERSION, OpContract, TensorSpec
+from clover_export.plugins.contracts import CONTRACTS, NAMESPACE, PLUGIN_VERSION, STEP_OPS, OpContract, TensorSpec
 
 OPSET = 20  # standard-op opset of the bodies (STEP_GRAPH.md 1)
 PLUGIN_ATTRS = {"plugin_namespace": NAMESPACE, "plugin_version": PLUGIN_VERSION}
 _FLOAT_TYPES = ["tensor(float)", "tensor(bfloat16)", "tensor(float16)"]
-_FIXED = {"float32": "tensor(float)", "int32": "tensor(int32)"}
+_FIXED = {"float32": "tensor(float)", "int32": "tensor(int32)", "float8_e4m3fn": "tensor(float8e4m3fn)"}
 _ATTR = {"int": defs.OpSchema.AttrType.INT, "float": defs.OpSchema.AttrType.FLOAT, "bool": defs.OpSchema.AttrType.INT}
 
 
@@ -125,5 +125,6 @@ def function_proto(contract: OpContract) -> onnx.FunctionProto:
     )
 
 
-def function_protos() -> list[onnx.FunctionProto]:
-    return [function_proto(c) for c in CONTRACTS.values()]
+def function_protos(names=STEP_OPS) -> list[onnx.FunctionProto]:
+    """The functions of the named ops (default: those of the exported step graph)."""
+    return [function_proto(CONTRACTS[n]) for n in names]

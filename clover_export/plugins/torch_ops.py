@@ -1,4 +1,4 @@
-"""`torch.library` custom ops made from the contracts (STEP_GRAPH.md 2).
+"""`torch.library` custom ops made from the contracts (STEP_GRAPH.md 2, 4).
 
 Each op's CPU (and any-device) implementation is the foundation's plain-torch
 core; its fake kernel resolves output shapes from the contract, so meta /
@@ -13,7 +13,8 @@ import importlib
 
 import torch
 
-from clover_export.plugins.contracts import CONTRACTS, OpContract, output_dtype_source, output_shapes
+from clover_export.plugins.contracts import (CONTRACTS, FIXED_DTYPES, OpContract, output_dtype_source,
+                                            output_shapes)
 
 _SCHEMA_TYPES = {"int": "int", "float": "float", "bool": "bool"}
 
@@ -32,7 +33,9 @@ def reference_core(contract: OpContract):
 
 
 def _fixed_dtype(rule: str) -> torch.dtype:
-    return {"float32": torch.float32, "int32": torch.int32}[rule]
+    if rule not in FIXED_DTYPES:
+        raise ValueError(f"dtype rule {rule!r} is not a fixed dtype {FIXED_DTYPES}")
+    return getattr(torch, rule)
 
 
 def _define(contract: OpContract):
@@ -73,7 +76,10 @@ def ops() -> dict[str, object]:
 
 
 def export_cores():
-    """A `Cores` whose three functions are the custom ops (same argument order as the plain cores)."""
+    """A `Cores` whose three functions are the custom ops (same argument order as the plain cores).
+
+    `clover::CoresetMoEFP8` is not among them: only the FP8 graph rewrite (`engines/fp8.py`) produces it.
+    """
     from clover_export.model.model import Cores
 
     o = ops()

@@ -4,24 +4,25 @@ For each `clover::` op: the output descriptors (shape and dtype rules from
 the contract, cache outputs as aliases of the cache inputs), the dtype
 combinations offered to `@trtp.autotune`, and how it runs: BlockGDN and
 BlockAttention are one Triton kernel each, launched by TensorRT from AOT PTX
-(`aot_plan`: kernel variant, grid, extra int32 scalars); CoresetMoE is
-several launches (routing, two grouped GEMMs, combine) and a TensorRT AOT
-plugin is exactly one kernel with no workspace, so it runs through the
-Python JIT path (`@trtp.impl`) on the torch/Triton implementation.
+(`aot_plan`: kernel variant, grid, extra int32 scalars); CoresetMoE and
+CoresetMoEFP8 are several launches (routing, two grouped GEMMs, combine) and
+a TensorRT AOT plugin is exactly one kernel with no workspace, so they run
+through the Python JIT path (`@trtp.impl`) on the Triton implementation of
+their torch ops (`cuda_ops.kernel`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, CONTRACTS, CORESET_MOE, OpContract
+from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_GDN, CONTRACTS, CORESET_MOE, CORESET_MOE_FP8,
+                                            OpContract)
 from clover_export.plugins.triton import launch
 
 TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int32": "INT32",
                   "float8_e4m3fn": "FP8"}
 AOT_OPS = (BLOCK_GDN.name, BLOCK_ATTENTION.name)  # one kernel each: TensorRT launches their PTX
-JIT_OPS = (CORESET_MOE.name,)  # several kernels: TensorRT calls back into Python
-MOE_FP8_SCALES = {"gate_up": "gate_up_scale", "down": "down_scale"}  # inputs an FP8 CoresetMoE contract would add
+JIT_OPS = (CORESET_MOE.name, CORESET_MOE_FP8.name)  # several kernels: TensorRT calls back into Python
 PREVIEW_FEATURES = ("ALIASED_PLUGIN_IO_10_03",)  # builder preview feature for plugin outputs aliasing inputs
 
 
@@ -47,9 +48,11 @@ def output_decls(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str
     return decls
 
 
-def io_dtypes(contract: OpContract, model_dtype: str, param_dtype: str | None = None,
-              weight_dtype: str | None = None) -> dict[str, str]:
-    """dtype of every input and output for one combination (contract dtype names)."""
+def io_dtypes(contract: OpContract, model_dtype: str, param_dtype: str | None = None) -> dict[str, str]:
+    """dtype of every input and output for one combination (contract dtype names).
+
+    Fixed dtype rules (fp32 scales, e4m3 weights, int32 ids) come from the contract as they are.
+    """
     d: dict[str, str] = {}
     for t in contract.inputs:
         if t.dtype == "float":
@@ -60,26 +63,19 @@ def io_dtypes(contract: OpContract, model_dtype: str, param_dtype: str | None = 
             d[t.name] = t.dtype
     if contract is BLOCK_GDN and param_dtype:
         d.update({n: param_dtype for n in launch.GDN_PARAMS})
-    if contract is CORESET_MOE and weight_dtype:
-        for w, scale in MOE_FP8_SCALES.items():
-            d[w] = weight_dtype
-            if scale in d:
-                d[scale] = "float32"
     for t in contract.outputs:
         d[t.name] = d[t.dtype[5:]] if t.dtype.startswith("like:") else (model_dtype if t.dtype == "float" else t.dtype)
     return d
 
 
 def combinations(contract: OpContract) -> list[dict[str, str]]:
-    """The dtype combinations each plugin supports (BF16 engines; FP32 for validation)."""
+    """The dtype combinations each plugin supports (BF16 engines; FP32 for validation).
+
+    CoresetMoEFP8: FP8 weights and FP32 scales by contract, BF16 (or FP32) activations.
+    """
     if contract is BLOCK_GDN:
         return [io_dtypes(contract, "bfloat16"), io_dtypes(contract, "bfloat16", "float32"),
                 io_dtypes(contract, "float32")]
-    if contract is CORESET_MOE:
-        out = [io_dtypes(contract, "bfloat16"), io_dtypes(contract, "float32")]
-        if all(s in {t.name for t in contract.inputs} for s in MOE_FP8_SCALES.values()):
-            out.append(io_dtypes(contract, "bfloat16", weight_dtype="float8_e4m3fn"))
-        return out
     return [io_dtypes(contract, "bfloat16"), io_dtypes(contract, "float32")]
 
 

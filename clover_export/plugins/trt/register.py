@@ -1,4 +1,4 @@
-"""`tensorrt.plugin` registration of the three `clover::` ops (imported only where TensorRT is installed).
+"""`tensorrt.plugin` registration of the `clover::` ops (imported only where TensorRT is installed).
 
 Written to the documented `tensorrt.plugin` API of TensorRT 10.x/11.x
 (`register`, `autotune`, `aot_impl`, `impl`). Every decision comes from
@@ -23,6 +23,7 @@ from clover_export.plugins.trt import plan
 _TRT_DTYPES = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16, "int32": trt.int32,
                "float8_e4m3fn": getattr(trt, "fp8", None)}
 _ATTR_TYPES = {"int": int, "float": float, "bool": int}
+_ATTR_VALUES = {"int": int, "float": float, "bool": bool}  # what the Triton path takes
 
 
 def _dtype_name(dtype) -> str:
@@ -46,6 +47,25 @@ def _static(expr):
 
 def _dims(desc) -> tuple:
     return tuple(_static(desc.shape_expr[i]) for i in range(desc.ndim))
+
+
+class _Buffer:
+    """A CUDA array interface over a plugin tensor's buffer, typed as same-width ints: the interface has no
+    bf16 / fp8 type strings, so the buffer is wrapped as ints and viewed as the real dtype by torch."""
+
+    _INTS = {1: "|i1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+    def __init__(self, t, itemsize: int):
+        self.__cuda_array_interface__ = {"shape": tuple(int(d) for d in t.shape), "typestr": self._INTS[itemsize],
+                                         "data": (int(t.data_ptr), False), "version": 3, "strides": None}
+
+
+def _as_torch(t):
+    """A torch view (no copy) of a `trtp.Tensor`, any of the plugins' dtypes."""
+    import torch
+
+    dtype = getattr(torch, _dtype_name(t.dtype))
+    return torch.as_tensor(_Buffer(t, dtype.itemsize), device="cuda").view(dtype)
 
 
 def _build_arch() -> int:
@@ -123,17 +143,14 @@ def _register(contract: OpContract) -> None:
         def impl(args):
             import torch
 
-            from clover_export.plugins.triton import ops
+            from clover_export.plugins import cuda_ops
 
-            t = {n: torch.as_tensor(args[n], device="cuda") for n in inputs}
-            outs = [torch.as_tensor(o, device="cuda") for o in args["outputs"]]
+            t = [_as_torch(args[n]) for n in inputs]
+            values = [_ATTR_VALUES[a.type](args[a.name]) for a in contract.attributes]
+            outs = [_as_torch(o) for o in args["outputs"]]
             with torch.cuda.stream(torch.cuda.ExternalStream(args["stream"])):
-                scales = {s: t[s] for s in plan.MOE_FP8_SCALES.values() if s in t}
-                routed, distinct = ops.coreset_moe(t["x"], t["router_w"], t["gate_up"], t["down"], int(args["top_k"]),
-                                                   float(args["top_p"]), bool(args["coreset"]),
-                                                   int(args["block_size"]), **scales)
-                outs[0].copy_(routed)
-                outs[1].copy_(distinct)
+                for out, res in zip(outs, cuda_ops.kernel(contract.name)(*t, *values)):
+                    out.copy_(res)
 
         out_tensors = Tuple[tuple([trtp.Tensor] * n_out)]
         trtp.impl(contract.qualname)(_signed(impl, [(n, trtp.Tensor) for n in inputs] + attrs
