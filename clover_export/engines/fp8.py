@@ -204,6 +204,11 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
         del g.initializer[:]
         g.initializer.extend(kept)
         linked = _link_source_files(g, art.dir, tmp)
+        from clover_export.exporter.artifact import COMPANION_FILES
+
+        for fname in COMPANION_FILES:  # tokenizer and generation defaults travel with every artefact
+            if (art.dir / fname).is_file():
+                shutil.copyfile(art.dir / fname, tmp / fname)
         used = _attach_functions(proto, function_proto(CORESET_MOE_FP8))
         writer.close()
         report.bytes_written = writer.offset
