@@ -51,3 +51,21 @@ def random_tiny_dir(tmp_path_factory) -> Path:
     from clover_export.tiny import generate_random_tiny
 
     return generate_random_tiny(tmp_path_factory.mktemp("random-tiny") / "model", seed=0, moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="session")
+def model(tiny_dir):
+    """The embedded (trained) default as an fp32 reference model."""
+    import torch
+
+    from clover_export.models import load_model
+
+    return load_model(tiny_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_dir):
+    """The embedded default's tokenizer and chat template."""
+    from clover_export.runtime.tokenizer import ChatTokenizer
+
+    return ChatTokenizer(tiny_dir)

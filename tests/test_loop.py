@@ -27,10 +27,8 @@ import pytest
 import torch
 
 from clover_export.model.model import allocate_pools
-from clover_export.models import load_model
 from clover_export.runtime.backends.torch_backend import TorchBackend
 from clover_export.runtime.generator import Generator
-from clover_export.runtime.tokenizer import ChatTokenizer
 
 
 LOGIT_EPS = 5e-4  # top-2 logit gap of a filled position below this: unclear
@@ -155,16 +153,6 @@ def reference_generate(model, prompt, s, end_ids, mask_id, think_end_id, alignme
 
 
 # --- fixtures ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model(tiny_dir):
-    return load_model(tiny_dir, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    return ChatTokenizer(tiny_dir)
-
-
 PROMPTS = {
     "short": "What is 123 + 456?",  # 22 tokens with the template
     "long": "Please sort the list 3 1 2 in ascending order, then reverse the word robot.",
