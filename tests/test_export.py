@@ -99,6 +99,24 @@ def test_bf16_graph_runs_in_onnx_reference(bf16_export):
     assert rep.passed, rep.format()
 
 
+def test_bf16_validation_catches_a_norm_computed_in_bf16(bf16_dir, tmp_path, monkeypatch):
+    """The bf16 judgement is loose enough for bf16 noise but not for a real bug: a graph whose
+    RMSNorm statistics run in bf16 (the `.float()` dropped) must fail."""
+    from clover_export.exporter import trace
+    from clover_export.model import model as M
+
+    def rms_norm_in_bf16(x, weight, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+
+    out = tmp_path / "bad"
+    with monkeypatch.context() as m:
+        m.setattr(M, "rms_norm", rms_norm_in_bf16)
+        m.setattr(trace, "_CACHE", {})
+        export(bf16_dir, out, dtype="bf16", weights="copy")  # copy: the shard's link count is asserted elsewhere
+    rep = V.validate(out)
+    assert not rep.passed, rep.format()
+
+
 def test_layer_replication_equals_tracing_every_layer(fp32_export, tiny_fp32_dir, tmp_path, monkeypatch):
     import clover_export.exporter.export as E
     from clover_export.exporter import trace

@@ -113,14 +113,13 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
     cfg = load_config(model_dir)
     max_context = opts.max_context or cfg.max_context
     out = Path(out).absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    stages = Stages(out)
-    res = BuildResult(out)
-
     plan = plan_memory(cfg, opts.precision, opts.max_batch, max_context, opts.chunk, gpu_memory_bytes(opts))
     for line in plan.lines():
         log(line)
-    require_fit(plan)
+    require_fit(plan)  # before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    stages = Stages(out)
+    res = BuildResult(out)
     base = (str(model_dir.resolve()), checkpoint_key(model_dir), cfg.fingerprint(), opts.max_batch, max_context,
             opts.chunk, opts.weights, opts.allow_qwen)
 

@@ -1,15 +1,32 @@
 """`clover-export validate`: the exported graph against the reference model (STEP_GRAPH.md 1, 3).
 
 Running and judging are separate (Polygraphy's habit): every runner
-(reference model, ONNX Runtime CPU / CUDA EP, `onnx.reference` for one small
-bf16 step) plays the same scenario with its own cache pools carried from
-step to step, as a runtime would; then each output of each step is compared
-with the reference model's.
+(reference model, ONNX Runtime CPU / CUDA EP) plays the same scenario with
+its own cache pools carried from step to step, as a runtime would; then each
+output of each step is compared with the reference model's.
 
 Scenario (2 batch rows in slots 2 and 0 of a 3-slot pool): a prefill chunk
 (one row folds its last chunk with a block), a prefill chunk + block next
 to a block-only row, commits folded with the next block, a step with no
 causal rows at all (T = block_size), and rows in different phases.
+`onnx.reference` (slow; bf16 graphs) plays one small step (`small_step`).
+
+bf16 graphs are judged against the fp32 reference model, allowed twice the
+error of legitimate bf16 evaluations of the same model (`bf16_tolerance`).
+Two facts of the trained model shape that judgement: (1) the error of one
+bf16 evaluation is not a property of bf16 alone but of its precision
+policy: the graph's function bodies compute the cores in fp32, the bf16
+reference model's cores partly in bf16, so both are measured; (2) the
+model has points where a rounding-sized difference changes a result by far
+more than rounding: a top-k routing near-tie (router logits 0.02 apart)
+picks another expert, and the gated RMSNorm rescales near-zero GDN outputs
+of causal rows (norm ~0.01 against ~10 for block rows) to unit size, so
+their few-% relative differences become full-scale. Two equally correct
+bf16 evaluations then land on different sides, and one step's max error is
+a coin toss. So bf16 runners play BF16_DRAWS independent input draws (token
+ids and pool noise) of their scenario, and each step is judged on its median
+draw: a real defect (a dropped fp32 cast in a norm, a wrong sign) raises the
+error on every draw, a near-tie on a few.
 """
 
 from __future__ import annotations
@@ -28,6 +45,12 @@ from clover_export.exporter.artifact import Artifact, load_artifact, ort_session
 
 FP32_TOLERANCE = 1e-4  # max abs error of fp32 graphs (STEP_GRAPH.md: the function bodies reproduce the cores within 1e-4)
 BF16_FLOOR = 1e-2
+# independent input draws of a bf16 runner's scenario; per step the median draw's worst output decides
+# (module docstring). Measured with onnx.reference on the trained tiny's small step (41 draws): a correct
+# graph's worst output sits at 0.30-0.84 of its tolerance on 95% of draws (median 0.56; the rest are top-k
+# routing flips, up to 3.5 here and 6.9 in another draw set); with rms_norm's fp32 casts dropped it sits
+# above 1 on 98% of draws (median 1.84). A median of 8 fails a correct graph only if 4 of 8 draws flip.
+BF16_DRAWS = 8
 SLOTS = (2, 0)  # slot of each batch row
 NUM_SLOTS = 3
 
@@ -78,22 +101,50 @@ def pool_len(plans: list[StepPlan], block_size: int) -> int:
 
 # --- runners: feeds (scalars) + their own pools in, outputs by name out -------------------
 class TorchRunner:
-    name = "reference-torch"
+    """The reference model; `cores_in_fp32`: its cores compute in fp32 on the model-dtype inputs (`fp32_cores`)."""
 
-    def __init__(self, art: Artifact, dtype: torch.dtype):
+    def __init__(self, art: Artifact, dtype: torch.dtype, cores_in_fp32: bool = False):
         from clover_export.models import load_model
 
         model_dir = Path(art.manifest["model_dir"])
         if not model_dir.exists():
             raise CloverError("validate", f"{model_dir}: the model folder the graph was exported from is gone",
                               "validate needs the reference model; export again from an existing folder")
+        self.name = "reference-torch-fp32-cores" if cores_in_fp32 else "reference-torch"
         self.model = load_model(model_dir, dtype=dtype, block_size=art.block_size, allow_qwen=True)
+        if cores_in_fp32:
+            self.model.cores = fp32_cores(self.model.cores)
         self.outputs = art.output_names
 
     @torch.no_grad()
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         args = [_to_torch(feeds[n]) for n in list(names.STEP_SCALARS) + names.pool_names(self.model.cfg)]
         return {n: _to_numpy(t) for n, t in zip(self.outputs, self.model(*args))}
+
+
+def fp32_cores(cores):
+    """`Cores` computing in fp32 on their inputs, each output cast back as its op contract says (`like:<input>`):
+    the precision policy of the graph's function bodies (`plugins/onnx_bodies.py`), which the plain cores
+    follow only in part (they keep the conv, SiLU, beta and the experts in the model dtype)."""
+    from dataclasses import fields
+
+    from clover_export.model.model import Cores
+    from clover_export.plugins.contracts import CONTRACTS, output_dtype_source
+
+    by_reference = {c.reference: c for c in CONTRACTS.values()}
+
+    def upcast(fn):
+        contract = by_reference[f"{fn.__module__}:{fn.__name__}"]
+        inputs = [s.name for s in contract.inputs]
+
+        def core(*args):
+            out = fn(*(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))
+            like = [output_dtype_source(s) for s in contract.outputs]
+            return tuple(o.to(args[inputs.index(src)].dtype) if src else o for o, src in zip(out, like))
+
+        return core
+
+    return Cores(**{f.name: upcast(getattr(cores, f.name)) for f in fields(Cores)})
 
 
 class OrtRunner:
@@ -191,10 +242,15 @@ class OutputError:
     max_abs: float
     max_rel: float
     tolerance: float
+    draw: int = 0  # which independent input draw (bf16 runners play several)
 
     @property
     def passed(self) -> bool:
         return self.max_abs <= self.tolerance
+
+    @property
+    def ratio(self) -> float:
+        return self.max_abs / self.tolerance if self.tolerance else (0.0 if self.max_abs == 0 else float("inf"))
 
 
 @dataclass
@@ -203,30 +259,63 @@ class ValidationReport:
     steps: list[str] = field(default_factory=list)
     runners: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    drawn: set[str] = field(default_factory=set)  # runners judged per step on their median input draw
+
+    def draw_ratios(self, runner: str) -> dict[int, list[float]]:
+        """step -> per draw, the worst output's error as a multiple of its tolerance."""
+        worst: dict[tuple[int, int], float] = {}
+        for e in self.errors:
+            if e.runner == runner:
+                worst[e.step, e.draw] = max(worst.get((e.step, e.draw), 0.0), e.ratio)
+        out: dict[int, list[float]] = {}
+        for (step, _), r in sorted(worst.items()):
+            out.setdefault(step, []).append(r)
+        return out
+
+    def runner_passed(self, runner: str) -> bool:
+        if runner in self.drawn:
+            ratios = self.draw_ratios(runner)
+            return bool(ratios) and all(float(np.median(r)) <= 1.0 for r in ratios.values())
+        return all(e.passed for e in self.errors if e.runner == runner)
 
     @property
     def passed(self) -> bool:
-        return bool(self.errors) and all(e.passed for e in self.errors)
+        return bool(self.errors) and all(self.runner_passed(r) for r in self.runners)
 
     def worst(self, runner: str, output_prefix: str = "") -> OutputError:
         return max((e for e in self.errors if e.runner == runner and e.output.startswith(output_prefix)),
-                   key=lambda e: e.max_abs / e.tolerance)
+                   key=lambda e: e.ratio)
 
     def format(self) -> str:
-        lines = [f"steps: " + "; ".join(f"{i}: {s}" for i, s in enumerate(self.steps))]
+        lines = []
+        if any(r != ReferenceEvaluatorRunner.name for r in self.runners):  # onnx.reference plays `small_step`
+            lines.append("steps: " + "; ".join(f"{i}: {s}" for i, s in enumerate(self.steps)))
         for r in self.runners:
             errs = [e for e in self.errors if e.runner == r]
             by_out: dict[str, OutputError] = {}
-            for e in errs:  # worst step per output
-                if e.output not in by_out or e.max_abs / e.tolerance > by_out[e.output].max_abs / by_out[e.output].tolerance:
+            for e in errs:  # worst step (and draw) per output
+                if e.output not in by_out or e.ratio > by_out[e.output].ratio:
                     by_out[e.output] = e
             bad = [e for e in by_out.values() if not e.passed]
             n_steps = len({e.step for e in errs})
-            lines.append(f"{r} vs reference: {len(by_out)} outputs x {n_steps} step(s), "
-                         f"{'PASS' if not bad else f'FAIL ({len(bad)} outputs)'}")
+            where = "step {e.step}"
+            if r in self.drawn:
+                ratios = self.draw_ratios(r)
+                n_draws = len(next(iter(ratios.values())))
+                lines.append(f"{r} vs reference: {len(by_out)} outputs x {n_steps} step(s) x {n_draws} input draws, "
+                             f"{'PASS' if self.runner_passed(r) else 'FAIL'} (per step: worst output of each draw "
+                             "in tolerances; the median draw decides)")
+                for step, rs in ratios.items():
+                    lines.append(f"  step {step}: median {np.median(rs):.2f}  [{' '.join(f'{x:.2f}' for x in rs)}]")
+                lines.append("  per output, its worst step and draw:")
+                where = "step {e.step}, draw {e.draw}"
+            else:
+                lines.append(f"{r} vs reference: {len(by_out)} outputs x {n_steps} step(s), "
+                             f"{'PASS' if not bad else f'FAIL ({len(bad)} outputs)'}")
+            over = "over" if r in self.drawn else "FAIL"  # one draw over its tolerance decides nothing
             for e in sorted(by_out.values(), key=lambda e: (e.passed, e.output)):
-                lines.append(f"  {'ok  ' if e.passed else 'FAIL'} {e.output:42s} max abs {e.max_abs:.3g} "
-                             f"(rel {e.max_rel:.3g}, tol {e.tolerance:.3g}, worst at step {e.step})")
+                lines.append(f"  {'ok  ' if e.passed else over} {e.output:42s} max abs {e.max_abs:.3g} "
+                             f"(rel {e.max_rel:.3g}, tol {e.tolerance:.3g}, worst at {where.format(e=e)})")
         lines += [f"note: {n}" for n in self.notes]
         lines.append("PASSED" if self.passed else "FAILED")
         return "\n".join(lines)
@@ -254,13 +343,16 @@ def fp32_tolerance(step, name, ref) -> float:
     return FP32_TOLERANCE * max(1.0, float(np.abs(ref).max()) if ref.size else 0.0)
 
 
-def bf16_tolerance(ref16: list[dict], ref32: list[dict]):
+def bf16_tolerance(refs16: list[list[dict]], ref32: list[dict]):
     """bf16 graphs are judged against bf16 rounding itself: an output may differ from the fp32 reference
-    model by twice what the bf16 reference model differs from it on the same inputs (at least 1% of the
-    output's scale). The graph's plugin bodies compute in fp32, so it is often closer than the bf16 model."""
+    model by twice what legitimate bf16 evaluations differ from it on the same inputs (at least 1% of the
+    output's scale). Those are the bf16 reference model as is and with its cores in fp32 (`fp32_cores`, the
+    graph bodies' precision): the larger of their errors counts (module docstring: one evaluation's error
+    depends on its precision policy)."""
 
     def tol(step, name, ref):
-        noise = float(np.abs(ref16[step][name].astype(np.float64) - ref32[step][name].astype(np.float64)).max())
+        r32 = ref32[step][name].astype(np.float64)
+        noise = max(float(np.abs(r[step][name].astype(np.float64) - r32).max()) for r in refs16)
         return max(2 * noise, BF16_FLOOR * max(1.0, float(np.abs(ref).max()) if ref.size else 0.0))
 
     return tol
@@ -279,22 +371,37 @@ def validate(folder: str | Path, steps: int | None = None, save_io: str | Path |
     rep = ValidationReport(steps=[p.name for p in plans])
     ref = TorchRunner(art, torch.bfloat16 if bf16 else torch.float32)
     ref32 = TorchRunner(art, torch.float32) if bf16 else None
+    ref16_fp32_cores = TorchRunner(art, torch.bfloat16, cores_in_fp32=True) if bf16 else None
     if bf16:
         rep.notes.append("bf16 graphs are compared with the fp32 reference model; tolerance per output and step: "
-                         "2 x |bf16 reference - fp32 reference| on the same inputs, at least 1% of the output's scale")
+                         "2 x the larger |bf16 reference - fp32 reference| of the bf16 reference model as is and "
+                         "with its cores in fp32, on the same inputs; at least 1% of the output's scale")
 
-    def judge(runner, feeds, pools):
-        t = time.perf_counter()
+    def judge(runner, feeds, pools, draw: int = 0):
         got = play(runner, feeds, pools)
-        log(f"{runner.name}: {len(feeds)} step(s) in {time.perf_counter() - t:.1f} s")
         expected = play(ref, feeds, pools)
         tol = fp32_tolerance
-        if bf16:  # judged against the fp32 truth, allowed twice the bf16 reference model's own error
+        if bf16:  # judged against the fp32 truth, allowed twice the bf16 reference models' own error
             truth = play(ref32, feeds, _upcast(pools))
-            tol, expected = bf16_tolerance(expected, truth), truth
-        rep.runners.append(runner.name)
-        rep.errors.extend(compare(runner.name, got, expected, tol))
+            tol, expected = bf16_tolerance([expected, play(ref16_fp32_cores, feeds, pools)], truth), truth
+        if runner.name not in rep.runners:
+            rep.runners.append(runner.name)
+        for e in compare(runner.name, got, expected, tol):
+            e.draw = draw
+            rep.errors.append(e)
         return got, expected
+
+    def judge_draws(runner, inputs: Callable[[int], tuple[list[dict], dict]]):
+        """The runner on input draw 0, or on BF16_DRAWS draws for a bf16 graph; returns draw 0's results."""
+        t, feeds0 = time.perf_counter(), inputs(0)
+        first = judge(runner, *feeds0)
+        if bf16:
+            rep.drawn.add(runner.name)
+            for d in range(1, BF16_DRAWS):
+                judge(runner, *inputs(d), draw=d)
+        log(f"{runner.name}: {len(feeds0[0])} step(s) x {BF16_DRAWS if bf16 else 1} input draw(s) "
+            f"in {time.perf_counter() - t:.1f} s")
+        return first
 
     providers = [] if bf16 else ["CPUExecutionProvider"]
     if cuda and "CUDAExecutionProvider" in ort.get_available_providers():
@@ -302,15 +409,23 @@ def validate(folder: str | Path, steps: int | None = None, save_io: str | Path |
     elif bf16:
         rep.notes.append("ONNX Runtime's CPU EP has no bf16 MatMul: without the CUDA EP the bf16 graph runs in "
                          "onnx.reference only")
-    feeds = make_feeds(plans, art.config, art.block_size)
-    pools = initial_pools(art, NUM_SLOTS, pool_len(plans, art.block_size))
+
+    def scenario_inputs(draw: int):
+        return (make_feeds(plans, art.config, art.block_size, seed=2 * draw),
+                initial_pools(art, NUM_SLOTS, pool_len(plans, art.block_size), seed=2 * draw + 1))
+
+    feeds, pools = scenario_inputs(0)
     results = {}
     for p in providers:
         runner = OrtRunner(art, p)
-        results[runner.name], results[ref.name] = judge(runner, feeds, pools)
+        results[runner.name], results[ref.name] = judge_draws(runner, scenario_inputs)
     if reference_evaluator if reference_evaluator is not None else bf16:
-        judge(ReferenceEvaluatorRunner(art), *small_step(art))
-        rep.notes.append("onnx-reference ran one small step (1 row, 3 causal rows + a block, 2 slots)")
+        judge_draws(ReferenceEvaluatorRunner(art), lambda draw: small_step(art, seed=5 + 2 * draw))
+        rep.notes.append("onnx-reference ran one small step (1 row, 3 causal rows + a block, 2 slots); its "
+                         "step index 0 is that step, not the scenario's")
+    if bf16:
+        rep.notes.append(f"bf16: every runner played {BF16_DRAWS} independent input draws (token ids, pool noise); "
+                         "each step is judged on its median draw (rounding-sized near-ties move single draws)")
     if not rep.runners:
         raise CloverError("validate", f"no runner can execute this {art.dtype} graph here",
                           "export with --dtype fp32 for ONNX Runtime on CPU, or pass --reference-evaluator")
@@ -327,11 +442,13 @@ def _upcast(pools: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in pools.items()}
 
 
-def small_step(art: Artifact):
+def small_step(art: Artifact, seed: int = 5):
+    """One step of 1 row (slot 1 of 2): 3 causal rows + a block, inputs from `seed`, pools from `seed + 1`."""
     plans = [StepPlan("small", 3, [(3, 1)])]
-    feeds = make_feeds(plans, art.config, art.block_size, seed=5)
+    feeds = make_feeds(plans, art.config, art.block_size, seed=seed)
     feeds[0][names.SLOT_IDS] = np.array([1], np.int32)
-    return feeds, initial_pools(art, 2, 3 + art.block_size, seed=6)
+    return feeds, initial_pools(art, 2, 3 + art.block_size, seed=seed + 1)
+
 
 
 def _inputs_path(path: Path) -> Path:
