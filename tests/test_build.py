@@ -85,3 +85,13 @@ def test_engine_is_built_where_tensorrt_exists(built):
         pytest.skip("TensorRT is not installed on this machine")
     out, r = built
     assert (out / "onnx-fp8-bf16" / "engine.plan").exists(), r.stdout
+
+
+@pytest.mark.slow
+def test_validate_judges_an_fp8_graph_against_its_source(built):
+    out, _ = built
+    r = run("validate", str(out / "onnx-fp8"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "top-1 agreement" in r.stdout and "PASSED" in r.stdout
+    r = run("validate", str(out / "onnx-fp8-bf16"))
+    assert r.returncode == 1 and "no bf16 kernels" in r.stderr

@@ -147,3 +147,19 @@ def agreement(reference_dir: Path, candidate_dir: Path, model_dir: Path, prompts
             feeds = batch.denoise_step(outs[0])
     e = np.concatenate(errs)
     return Agreement(total, agree / max(total, 1), float(e.max()), float(e.mean()))
+
+
+def validate_fp8(art, min_agreement: float = 0.97) -> tuple[str, bool]:
+    """(report line, passed) of an FP8 artefact against the graph it was quantised from."""
+    from clover_export.exporter.artifact import load_artifact
+
+    source = Path(art.manifest["quantization"]["source"])
+    model_dir = Path(art.manifest["model_dir"])
+    if art.dtype != "fp32":
+        raise CloverError("validate", f"{art.dir}: an FP8 graph on bf16 activations; ONNX Runtime's CPU EP has no "
+                          "bf16 kernels", "validate its fp32-activation twin (onnx-fp8 of the same build) instead")
+    if not (source / "manifest.json").exists():
+        raise CloverError("validate", f"{art.dir}: the graph it was quantised from ({source}) is gone")
+    load_artifact(source)
+    a = agreement(source, art.dir, model_dir, HELDOUT_PROMPTS)
+    return a.line(), a.top1_agreement >= min_agreement

@@ -83,9 +83,23 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator):
     """Run FOLDER's graph in ONNX Runtime (and onnx.reference for bf16) against the reference model on
     the same inputs: prefill chunks, a commit folded with a block, block-only steps, batch rows in
     different phases and cached lengths, cache pools carried between steps. Reports per-output max
-    abs / relative error against tolerances; exit status 1 on any failure."""
+    abs / relative error against tolerances; exit status 1 on any failure.
+
+    An FP8 graph (from `build --precision fp8`) is judged against the graph it was quantised from:
+    top-1 agreement over denoise positions of held-out prompts and the logit error (pass: >= 97%)."""
+    from clover_export.exporter.artifact import load_artifact
     from clover_export.exporter.validate import validate
 
+    art = load_artifact(folder)
+    if "quantization" in art.manifest:
+        from clover_export.engines.calibration import validate_fp8
+
+        line, passed = validate_fp8(art)
+        click.echo(line)
+        click.echo("PASSED" if passed else "FAILED")
+        if not passed:
+            raise SystemExit(1)
+        return
     rep = validate(folder, steps=steps, save_io=save_io, cuda=not no_cuda, reference_evaluator=reference_evaluator,
                    log=click.echo)
     click.echo(rep.format())
