@@ -23,8 +23,10 @@ def human(n: float, unit: str = "B") -> str:
 @click.command()
 @MODEL_ARG
 @click.option("--context", type=int, default=None, help="Context length for the cache figure (default: the model's max_context).")
+@click.option("--max-batch", type=int, default=1, show_default=True, help="Cache slots for the engine memory plan.")
+@click.option("--gpu-memory", type=float, default=None, help="GPU memory in GiB to judge the plan against (default: this GPU's, if any).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def info(model, context, as_json):
+def info(model, context, max_batch, gpu_memory, as_json):
     """Print MODEL's normalised config, parameter counts, weight and cache memory.
 
     Works on a config-only folder (full-size config.json without weights): nothing is loaded.
@@ -50,6 +52,12 @@ def info(model, context, as_json):
         "weights_bytes": {"bf16": weight_bytes(cfg, "bf16"), "fp8": weight_bytes(cfg, "fp8")},
         "cache_bytes_per_sequence": {"context": ctx, **caches},
     }
+    from clover_export.engines.build import BuildOptions, gpu_memory_bytes
+    from clover_export.engines.memory_plan import plan_memory
+
+    gpu = gpu_memory_bytes(BuildOptions(gpu_memory_gib=gpu_memory))
+    plans = [plan_memory(cfg, p, max_batch, ctx, 256, gpu) for p in ("bf16", "fp8")]
+    report["memory_plans"] = [p.to_dict() for p in plans]
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -64,6 +72,8 @@ def info(model, context, as_json):
     click.echo(f"weights: BF16 {human(report['weights_bytes']['bf16'])}, FP8 {human(report['weights_bytes']['fp8'])}")
     click.echo(f"cache per sequence at {ctx} tokens: {human(caches['total'])} "
                f"(attention K/V {human(caches['attention_kv'])}, GDN states {human(caches['gdn_states'])})")
+    for p in plans:  # the same arithmetic `build` refuses a plan with
+        click.echo("\n".join(p.lines()))
 
 
 @click.command()

@@ -59,3 +59,22 @@ def test_bad_arguments():
         plan_memory(cfg, "bf16", 0, 64, 64)
     with pytest.raises(CloverError, match="precision"):
         plan_memory(cfg, "int4", 1, 64, 64)
+
+
+def test_info_and_doctor_print_the_same_plan(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from clover_export.engines.cli import gpu_plans
+    from clover_export.engines.doctor import Facts
+
+    shutil.copy("clover_export/data/clover_35b_a3b_config.json", tmp_path / "config.json")
+    out = subprocess.run([sys.executable, "-m", "clover_export.cli", "info", str(tmp_path), "--gpu-memory", "139.8",
+                          "--max-batch", "4"], capture_output=True, text=True, check=True).stdout
+    expected = plan_memory(FULL, "bf16", 4, 131072, 256, gpu_bytes=H200)
+    assert "\n".join(expected.lines()) in out
+    plans = gpu_plans(Facts(gpus=[{"name": "H200", "sm": (9, 0), "memory": H200}]))
+    assert plans["bf16"] == plan_memory(FULL, "bf16", 1, 131072, 256, gpu_bytes=H200).max_batch_that_fits()
+    assert plans["fp8"] > plans["bf16"] >= 4
+    assert gpu_plans(Facts()) == {}

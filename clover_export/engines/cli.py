@@ -16,11 +16,37 @@ def doctor(as_json):
     from clover_export.engines.doctor import capabilities, collect, report
 
     facts = collect()
+    plans = gpu_plans(facts)
     if as_json:
         rows = [{"what": w, "works": ok, "why": why} for w, ok, why in capabilities(facts)]
-        click.echo(json.dumps({"facts": asdict(facts), "capabilities": rows}, indent=2))
+        click.echo(json.dumps({"facts": asdict(facts), "capabilities": rows,
+                                "full_size_max_batch": plans}, indent=2))
     else:
         click.echo("\n".join(report(facts)))
+        for line in plans_lines(plans):
+            click.echo(line)
+
+
+def gpu_plans(facts) -> dict:
+    """For this GPU: the largest batch of the full-size model at full context, per precision (memory plan)."""
+    if not facts.gpus:
+        return {}
+    import json as _json
+    from importlib import resources
+
+    from clover_export.config import config_from_dict
+    from clover_export.engines.memory_plan import plan_memory
+
+    cfg = config_from_dict(_json.loads(resources.files("clover_export").joinpath("data/clover_35b_a3b_config.json").read_text()))
+    mem = facts.gpus[0]["memory"]
+    return {p: plan_memory(cfg, p, 1, cfg.max_context, 256, mem).max_batch_that_fits() for p in ("bf16", "fp8")}
+
+
+def plans_lines(plans: dict) -> list[str]:
+    if not plans:
+        return ["memory plan: no GPU here (`clover-export info MODEL --gpu-memory GIB` plans for one)"]
+    return [f"memory plan, Clover-35B-A3B at 131072 tokens on this GPU: up to {n} sequence(s) in {p}"
+            for p, n in plans.items()]
 
 
 @click.command()
