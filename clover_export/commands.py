@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -37,7 +38,7 @@ def info(model, context, max_batch, gpu_memory, as_json):
 
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
-    ctx = context or cfg.max_context
+    ctx = cfg.max_context if context is None else context
     if ctx < 1:
         raise CloverError("info", f"--context must be >= 1, got {ctx}")
     counts = param_counts(cfg)
@@ -111,6 +112,9 @@ def forward(model, input_ids, mode, dtype, save, allow_qwen):
         raise CloverError("forward", f"token id {bad[0]} is outside the vocabulary (size {cfg.vocab_size})")
     if mode == "denoise" and len(ids) != cfg.block_size:
         raise CloverError("forward", f"--mode denoise needs exactly block_size={cfg.block_size} ids, got {len(ids)}")
+    save_path = Path(save) if save else None
+    if save_path is not None and not save_path.absolute().parent.is_dir():
+        raise CloverError("forward", f"--save {save}: folder {save_path.absolute().parent} does not exist")
     block = cfg.block_size if mode == "denoise" else 0
     ref = load_model(model_dir, parse_dtype(dtype), allow_qwen=allow_qwen, block_size=block)
     pools = allocate_pools(cfg, 1, max(len(ids), 1), dtype=ref.dtype)
@@ -122,9 +126,16 @@ def forward(model, input_ids, mode, dtype, save, allow_qwen):
         logits = ref.logits(h)[0]
     top = logits.argmax(-1).tolist()
     click.echo(f"logits [{T}, {cfg.vocab_size}] ({mode}, {dtype}); argmax per position: {top}")
-    if save:
-        path = Path(save)
-        np.save(path, logits.numpy().astype(np.float32))
+    if save_path is not None:
+        path = save_path if save_path.suffix == ".npy" else save_path.with_name(save_path.name + ".npy")  # np.save's rule
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                np.save(f, logits.numpy().astype(np.float32))
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise CloverError("forward", f"--save {path}: cannot write ({e.strerror or e})") from None
         click.echo(f"saved {path}")
 
 

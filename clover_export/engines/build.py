@@ -91,6 +91,8 @@ class Stages:
 
 def gpu_memory_bytes(opts: BuildOptions) -> int | None:
     if opts.gpu_memory_gib is not None:
+        if not opts.gpu_memory_gib > 0:
+            raise CloverError("build", f"--gpu-memory must be > 0 GiB, got {opts.gpu_memory_gib}")
         return int(opts.gpu_memory_gib * 1024**3)
     try:
         import torch
@@ -111,8 +113,12 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         raise CloverError("build", f"unknown precision {opts.precision!r}", "expected bf16 or fp8")
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
-    max_context = opts.max_context or cfg.max_context
+    max_context = cfg.max_context if opts.max_context is None else opts.max_context
     out = Path(out).absolute()
+    m, o = model_dir.resolve(), out.resolve()
+    if m == o or m in o.parents:  # the build writes folders and build.json into OUT
+        raise CloverError("build", f"--out {out} is, or lies inside, the model folder {model_dir}",
+                          "choose a build folder outside the checkpoint")
     plan = plan_memory(cfg, opts.precision, opts.max_batch, max_context, opts.chunk, gpu_memory_bytes(opts))
     for line in plan.lines():
         log(line)

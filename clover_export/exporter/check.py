@@ -93,7 +93,12 @@ def check_folder(folder: str | Path, proto: onnx.ModelProto | None = None) -> Ch
     mpath = folder / A.MANIFEST
     if not mpath.exists():
         raise CloverError("check", f"{folder}: no {A.MANIFEST}", "pass a folder written by `clover-export export`")
-    manifest = json.loads(mpath.read_text())
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CloverError("check", f"{mpath}: not valid JSON ({e})", "export the folder again") from None
+    if not isinstance(manifest, dict):
+        raise CloverError("check", f"{mpath}: not a manifest (expected a JSON object)", "export the folder again")
     if proto is None:
         gpath = folder / manifest.get("graph", A.GRAPH)
         try:

@@ -176,10 +176,13 @@ def _chmod_like_umask(path: Path) -> None:
 
 
 def _refuse_overlap(model_dir: Path, out: Path) -> None:
-    """OUT is replaced wholesale: it must not be, or contain, the checkpoint folder."""
+    """OUT is replaced wholesale: it must not be, contain, or lie inside the checkpoint folder."""
     m, o = model_dir.resolve(), out.resolve()
     if m == o or o in m.parents:
         raise CloverError("export", f"--out {out} would replace the model folder {model_dir}",
+                          "choose an output folder outside the checkpoint")
+    if m in o.parents:
+        raise CloverError("export", f"--out {out} lies inside the model folder {model_dir}",
                           "choose an output folder outside the checkpoint")
 
 

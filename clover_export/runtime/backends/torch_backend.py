@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from clover_export.errors import CloverError
 from clover_export.model.model import CloverModel, Cores, allocate_pools
 from clover_export.models import load_model, resolve_model_dir
 
@@ -47,6 +48,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> str:
+    """A device string torch accepts and this machine has, else a CloverError naming it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CloverError("runtime", f"--device {device!r} is not a torch device", "use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise CloverError("runtime", f"--device {device}: no CUDA device here (torch {torch.__version__})",
+                              "use --device cpu; `clover-export doctor` lists what this machine has")
+        if dev.index is not None and dev.index >= n:
+            raise CloverError("runtime", f"--device {device}: this machine has {n} CUDA device(s)")
+    return device
+
+
 class TorchBackend:
     name = "torch"
     step_shapes = None  # any C, any batch
@@ -63,7 +80,9 @@ class TorchBackend:
     @classmethod
     def load(cls, model=None, *, dtype: str = "auto", device: str | None = None, block_size: int | None = None,
              allow_qwen: bool = False) -> "TorchBackend":
-        device = device or default_device()
+        device = check_device(device) if device else default_device()
+        if block_size is not None and block_size < 1:
+            raise CloverError("runtime", f"block_size must be >= 1, got {block_size}")
         if dtype == "auto":
             dtype = "bf16" if str(device).startswith("cuda") else "fp32"
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
