@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import struct
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from clover_export import names
+from clover_export.atomic import replace_dir
 from clover_export.config import CloverConfig, read_json
 from clover_export.errors import CloverError
 
@@ -291,14 +291,3 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished temp folder into place; an existing folder is swapped out, then removed."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)

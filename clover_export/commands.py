@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import click
 
+from clover_export.atomic import atomic_write
 from clover_export.errors import CloverError
 
 MODEL_ARG = click.argument("model", required=False, default=None)
@@ -128,13 +128,9 @@ def forward(model, input_ids, mode, dtype, save, allow_qwen):
     click.echo(f"logits [{T}, {cfg.vocab_size}] ({mode}, {dtype}); argmax per position: {top}")
     if save_path is not None:
         path = save_path if save_path.suffix == ".npy" else save_path.with_name(save_path.name + ".npy")  # np.save's rule
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            with open(tmp, "wb") as f:
-                np.save(f, logits.numpy().astype(np.float32))
-            os.replace(tmp, path)
+            atomic_write(path, lambda f: np.save(f, logits.numpy().astype(np.float32)))
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise CloverError("forward", f"--save {path}: cannot write ({e.strerror or e})") from None
         click.echo(f"saved {path}")
 

@@ -81,7 +81,7 @@ class Stages:
 
     def record(self, name: str, key: str, result: dict) -> None:
         self.data["stages"][name] = {"key": key, "result": result}
-        from clover_export.engines.tensorrt_build import atomic_write
+        from clover_export.atomic import atomic_write
 
         atomic_write(self.path, json.dumps(self.data, indent=2).encode())
 
@@ -244,7 +244,7 @@ def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, lo
     settings = BuildSettings(opts.precision, 4 * 1024**3, opts.strip_weights, str(out / "timing.cache"))
     info = build_engine(art.graph_path, plan_path, art.manifest["profiles"], settings)
     manifest = {**art.manifest, "engine": ENGINE_FILE, "engine_info": info}
-    from clover_export.engines.tensorrt_build import atomic_write
+    from clover_export.atomic import atomic_write
 
     atomic_write(graph / "manifest.json", json.dumps(manifest, indent=2).encode())
     log(f"[engine] {plan_path}: {info['bytes'] / 2**20:.1f} MiB, TensorRT {info['tensorrt']}")

@@ -141,7 +141,7 @@ def _read_weight(art_dir: Path, entry: dict) -> torch.Tensor:
 
 def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False) -> Fp8Report:
     """Write the FP8 artefact of the exported folder `src_dir` into `out_dir` (atomically)."""
-    from clover_export.checkpoint import replace_dir
+    from clover_export.atomic import replace_dir
     from clover_export.exporter.artifact import load_artifact, read_weight_map
 
     art = load_artifact(src_dir)

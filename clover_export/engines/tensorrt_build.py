@@ -8,25 +8,25 @@ project's machines (no TensorRT there) and says so plainly.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
+from clover_export.atomic import atomic_write
 from clover_export.engines.profiles import BuildSettings
 from clover_export.errors import CloverError
 
 
-def import_tensorrt():
+INSTALL_NOTE = "install the tensorrt wheel matching your CUDA (pip install tensorrt) on a machine with an NVIDIA GPU"
+
+
+def import_tensorrt(component: str = "tensorrt", note: str = INSTALL_NOTE):
+    """The one TensorRT import guard (builder, loader, runtime backend): 10.x or 11.x, or a plain error."""
     try:
         import tensorrt as trt
     except ImportError:
-        raise CloverError(
-            "tensorrt", "TensorRT is not installed on this machine",
-            "install the tensorrt wheel matching your CUDA (pip install tensorrt) on a machine with an NVIDIA GPU",
-        ) from None
+        raise CloverError(component, "TensorRT is not installed on this machine", note) from None
     major = int(trt.__version__.split(".")[0])
     if major < 10:
-        raise CloverError("tensorrt", f"TensorRT {trt.__version__} is too old", "TensorRT 10.x or 11.x is required")
+        raise CloverError(component, f"TensorRT {trt.__version__} is too old", "TensorRT 10.x or 11.x is required")
     return trt
 
 
@@ -128,15 +128,3 @@ def load_engine(plan_path: Path, onnx_path: Path | None = None, stripped: bool =
         if not parser_refitter.refit_from_file(str(onnx_path)) or not refitter.refit_cuda_engine():
             raise CloverError("tensorrt", f"{plan_path}: refit from {onnx_path} failed")
     return engine
-
-
-def atomic_write(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -3,7 +3,7 @@
 Order: config and checkpoint headers are checked first (no weight byte read),
 the step graph is traced on the meta device, the weights are attached as
 external data per the chosen mode, the folder is checked (`check.py`) and
-only then moved into place (`checkpoint.replace_dir`). Any failure removes
+only then moved into place (`atomic.replace_dir`). Any failure removes
 the temporary folder: an existing export at OUT stays as it was.
 """
 
@@ -24,7 +24,8 @@ import onnx
 import torch
 
 from clover_export import names
-from clover_export.checkpoint import locate_tensors, plan_tensors, replace_dir
+from clover_export.atomic import replace_dir
+from clover_export.checkpoint import locate_tensors, plan_tensors
 from clover_export.config import CloverConfig, load_config
 from clover_export.errors import CloverError
 from clover_export.exporter import artifact as A

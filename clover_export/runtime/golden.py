@@ -22,14 +22,13 @@ causal rows) and the first response position where our tokens diverge.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from clover_export.atomic import atomic_write
 from clover_export.errors import CloverError
 
 FORMAT = "clover-export/golden"
@@ -98,23 +97,12 @@ def write_golden(path: str | Path, prompt_ids: list[int], params: dict, expected
         arr = np.asarray(expected_logits, dtype=np.float32)
         if npy:
             name = path.stem + ".logits.npy"
-            _atomic(path.parent / name, lambda f: np.save(f, arr))
+            atomic_write(path.parent / name, lambda f: np.save(f, arr))
             d["expected_logits"] = name
         else:
             d["expected_logits"] = arr.tolist()
-    _atomic(path, lambda f: f.write(json.dumps(d).encode()))
+    atomic_write(path, lambda f: f.write(json.dumps(d).encode()))
     return path
-
-
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass

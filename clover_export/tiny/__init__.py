@@ -109,7 +109,7 @@ def generate_random_tiny(out_dir: Path, seed: int = 0, dtype=torch.bfloat16, **c
 
 def ensure_tiny() -> Path:
     """Path of the embedded default: the shipped trained folder, copied once into the cache folder."""
-    from clover_export.checkpoint import replace_dir
+    from clover_export.atomic import replace_dir
     from clover_export.errors import CloverError
 
     target = cache_root() / f"tiny-v{TINY_VERSION}"

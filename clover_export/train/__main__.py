@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -12,6 +11,7 @@ from pathlib import Path
 import click
 import torch
 
+from clover_export.atomic import atomic_write
 from clover_export.train.trainer import TrainSettings, new_model, save_trained, train
 
 
@@ -80,9 +80,7 @@ def main(out_dir, steps, batch_size, lr, seed, threads, eval_every, eval_count):
         final[f"thinking={thinking}"] = {"accuracy": sc.accuracy, "tokens_per_forward": round(sc.tokens_per_forward, 3)}
         click.echo(f"held-out ({len(heldout)}), thinking={thinking}, threshold 0.95: {sc.line()}")
     facts["heldout_at_0.95"] = final
-    tmp = out_dir / ".training.json.tmp"
-    tmp.write_text(json.dumps(facts, indent=2) + "\n")
-    os.replace(tmp, out_dir / "training.json")
+    atomic_write(out_dir / "training.json", (json.dumps(facts, indent=2) + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -22,21 +22,13 @@ import torch
 
 from clover_export import names
 from clover_export.config import config_from_dict, load_config
+from clover_export.engines.tensorrt_build import import_tensorrt
 from clover_export.errors import CloverError
 from clover_export.model.model import allocate_pools
 from clover_export.runtime.scheduler import StepShape
 
+RUNTIME_NOTE = "install TensorRT 10+ (pip install tensorrt) on a CUDA machine, or use --backend ort/torch"
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
-
-
-def import_tensorrt():
-    try:
-        import tensorrt
-    except ImportError:
-        raise CloverError("runtime", "TensorRT is not installed; the trt backend cannot run here",
-                          "install TensorRT 10+ (pip install tensorrt) on a CUDA machine, or use --backend ort/torch"
-                          ) from None
-    return tensorrt
 
 
 def locate_engine(path) -> tuple[Path, dict]:
@@ -62,7 +54,7 @@ class TrtBackend:
     name = "trt"
 
     def __init__(self, engine_path: Path, manifest: dict):
-        trt = import_tensorrt()
+        trt = import_tensorrt("runtime", RUNTIME_NOTE)
         if not torch.cuda.is_available():
             raise CloverError("runtime", "the trt backend needs a CUDA GPU; none is visible")
         self.trt = trt
@@ -100,7 +92,7 @@ class TrtBackend:
 
     @classmethod
     def load(cls, path=None, **_options) -> "TrtBackend":
-        import_tensorrt()
+        import_tensorrt("runtime", RUNTIME_NOTE)
         engine_path, manifest = locate_engine(path)
         return cls(engine_path, manifest)
 
