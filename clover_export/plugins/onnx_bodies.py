@@ -92,7 +92,6 @@ def gdn_body() -> list[onnx.NodeProto]:
     nc = b.i64("n_causal")
     conv0 = b.op("Gather", "conv_pool", slots, axis=0)  # [B, C, K-1] pool dtype
     s0 = b.f(b.op("Gather", "rec_pool", slots, axis=0))  # [B, Hv, dk, dv]
-    m = b.f("mixed_qkv")
     beta = b.op("Sigmoid", b.f("b"))  # [B, T, Hv]
     g = b.op("Mul", b.op("Neg", b.op("Exp", b.f("A_log"))),
              b.op("Softplus", b.op("Add", b.f("a"), b.f("dt_bias"))))
