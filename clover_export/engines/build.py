@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from clover_export.engines.calibration import FP8_MIN_AGREEMENT
 from clover_export.errors import CloverError
 
 BUILD_FILE = "build.json"
 ENGINE_FILE = "engine.plan"
-FP8_MIN_AGREEMENT = 0.97  # top-1 agreement of the FP8 graph with the fp32 graph (issue target)
 
 
 @dataclass
