@@ -217,6 +217,73 @@ CORESET_MOE_FP8 = OpContract(
 CONTRACTS: dict[str, OpContract] = {c.name: c for c in (BLOCK_GDN, BLOCK_ATTENTION, CORESET_MOE, CORESET_MOE_FP8)}
 STEP_OPS = tuple(c.name for c in CONTRACTS.values() if not c.variant_of)  # what the exporter's graph holds
 
+# ---- the MoE as single-kernel sub-ops: what `model.trt.onnx` holds instead of CoresetMoE(FP8) (STEP_GRAPH.md 2, 4)
+# A TensorRT AOT plugin is exactly one kernel launch with no workspace, so the MoE is split with its
+# intermediates as graph tensors: router logits (a standard MatMul), MoERoute, MoEAlign, MoEGateUp,
+# MoEDown, MoECombine. "Pairs" are the B*T*top_k (token, slot) routing choices, row-major over [B, T, top_k].
+_SUB = "clover_export.model.moe_split:"
+_ROUTING_ATTRS = CORESET_MOE.attributes
+_E_ATTR = AttrSpec("num_experts", "int", "E: routing ids are 0..E-1, E marks an unused slot")
+MOE_ROUTE = OpContract(
+    name="MoERoute", reference=_SUB + "route_core",
+    doc="Routing of CoresetMoE from the router logits: softmax_fp32, top-k / block coreset, renormalised weights "
+        "cast to the logits' dtype; unused slots (fewer than k kept experts) get id E and weight 0.",
+    inputs=(_t("logits", "B T E", "float", "x W_router^T in the model dtype"),),
+    attributes=_ROUTING_ATTRS,
+    outputs=(_t("idx", "B T top_k", "int32"), _t("w", "B T top_k", "like:logits"),
+             _t("coreset_size", "B", "int32", "distinct experts chosen by the block rows")),
+)
+MOE_ALIGN = OpContract(
+    name="MoEAlign", reference=_SUB + "align_core",
+    doc="Pairs grouped by expert (a stable counting sort): order[r] = pair index, expert e owns "
+        "order[offsets[e]:offsets[e+1]]; unused pairs (id E) come last, from offsets[E].",
+    inputs=(_t("idx", "B T top_k", "int32"),),
+    attributes=(_E_ATTR,),
+    outputs=(_t("offsets", "num_experts+1", "int32"), _t("order", "B T top_k", "int32")),
+)
+_GU_DOC = ("h[pair] = silu(g) * u with [g; u] = W_gate_up[e] x[token], rounded to the model dtype like the "
+           "reference; rows of unused pairs are not written")
+MOE_GATE_UP = OpContract(
+    name="MoEGateUp", reference=_SUB + "gate_up_core", doc=_GU_DOC,
+    inputs=(CORESET_MOE.input("x"), CORESET_MOE.input("gate_up"), _t("offsets", "E1", "int32"),
+            _t("order", "B T top_k", "int32")),
+    attributes=(),
+    outputs=(_t("h", "B T top_k I2/2", "like:x"),),
+)
+MOE_GATE_UP_FP8 = OpContract(
+    name="MoEGateUpFP8", reference=_SUB + "gate_up_fp8_core", doc=_GU_DOC,
+    inputs=(CORESET_MOE.input("x"), CORESET_MOE_FP8.input("gate_up_fp8"), CORESET_MOE_FP8.input("gate_up_scale"),
+            _t("offsets", "E1", "int32"), _t("order", "B T top_k", "int32")),
+    attributes=(),
+    outputs=(_t("h", "B T top_k I2/2", "like:x"),),
+)
+_DOWN_DOC = "y[pair] = (W_down[e] h[pair]) * w[pair], rounded like the reference; rows of unused pairs are not written"
+MOE_DOWN = OpContract(
+    name="MoEDown", reference=_SUB + "down_core", doc=_DOWN_DOC,
+    inputs=(_t("h", "B T top_k I", "float"), _t("down", "E D I", "like:h"), _t("w", "B T top_k", "like:h"),
+            _t("offsets", "E1", "int32"), _t("order", "B T top_k", "int32")),
+    attributes=(),
+    outputs=(_t("y", "B T top_k D", "like:h"),),
+)
+MOE_DOWN_FP8 = OpContract(
+    name="MoEDownFP8", reference=_SUB + "down_fp8_core", doc=_DOWN_DOC,
+    inputs=(_t("h", "B T top_k I", "float"), CORESET_MOE_FP8.input("down_fp8"), CORESET_MOE_FP8.input("down_scale"),
+            _t("w", "B T top_k", "like:h"), _t("offsets", "E1", "int32"), _t("order", "B T top_k", "int32")),
+    attributes=(),
+    outputs=(_t("y", "B T top_k D", "like:h"),),
+)
+MOE_COMBINE = OpContract(
+    name="MoECombine", reference=_SUB + "combine_core",
+    doc="routed[token] = sum over the token's used pairs of y (fp32), cast to y's dtype.",
+    inputs=(_t("y", "B T top_k D", "float"), _t("idx", "B T top_k", "int32")),
+    attributes=(_E_ATTR,),
+    outputs=(_t("routed", "B T D", "like:y"),),
+)
+MOE_SUBOPS: dict[str, OpContract] = {c.name: c for c in (MOE_ROUTE, MOE_ALIGN, MOE_GATE_UP, MOE_GATE_UP_FP8, MOE_DOWN,
+                                                          MOE_DOWN_FP8, MOE_COMBINE)}
+# every plugin TensorRT sees: the ops of `model.trt.onnx` (all AOT: one Triton kernel each, no Python per step)
+TRT_CONTRACTS: dict[str, OpContract] = {BLOCK_GDN.name: BLOCK_GDN, BLOCK_ATTENTION.name: BLOCK_ATTENTION, **MOE_SUBOPS}
+
 
 def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object]) -> dict[str, object]:
     """Symbolic dim name -> value, from input shapes and attributes; raises ValueError on a mismatch.
@@ -240,7 +307,20 @@ def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, o
 
 def output_shapes(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object]) -> list[tuple]:
     dims = bind_dims(contract, shapes, attrs)
-    return [tuple(dims[d] for d in spec.shape) for spec in contract.outputs]
+    return [tuple(_dim(d, dims) for d in spec.shape) for spec in contract.outputs]
+
+
+def _dim(name: str, dims: dict[str, object]):
+    """A bound dim, or "<dim>+<int>" / "<dim>/<int>" of one (ints or TensorRT shape expressions)."""
+    if "+" in name:
+        base, k = name.split("+")
+        return dims[base] + int(k)
+    if "/" in name:
+        base, k = name.split("/")
+        if isinstance(dims[base], int) and dims[base] % int(k):
+            raise ValueError(f"dim {base} = {dims[base]} is not a multiple of {k}")
+        return dims[base] // int(k)
+    return dims[name]
 
 
 def output_dtype_source(spec: TensorSpec) -> str | None:

@@ -204,10 +204,51 @@ def moe_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: in
     ]
 
 
+def moe_subop_variant(op: str, num_experts: int, top_k: int, hidden: int, inter: int, attrs: dict,
+                      dtype: str = "bfloat16", arch: int = 90) -> Variant:
+    """One MoE sub-op of `model.trt.onnx` (contracts.MOE_SUBOPS) as a TensorRT AOT kernel.
+
+    attrs: the routing attributes (top_p, coreset, block_size) for MoERoute; ignored otherwise.
+    """
+    from clover_export.plugins.contracts import MOE_SUBOPS
+    from clover_export.plugins.trt.plan import io_dtypes
+
+    abi = launch.MOE_SUBOP_ABIS[op]
+    fp8 = op.endswith("FP8")
+    if op == "MoERoute":
+        consts = launch.moe_route_constexprs(num_experts, top_k, int(attrs["block_size"]), float(attrs["top_p"]),
+                                             bool(attrs["coreset"]))
+        opts = launch.MOE_ROUTE_LAUNCH
+    elif op == "MoEAlign":
+        consts, opts = launch.moe_align_constexprs(num_experts, top_k), launch.MOE_ALIGN_LAUNCH
+    elif op == "MoECombine":
+        consts, opts = launch.moe_combine_constexprs(hidden, num_experts, top_k), launch.MOE_SMALL_LAUNCH
+    else:
+        gu, dn, opts = launch.moe_gemm_constexprs(hidden, inter, top_k, launch.MOE_AOT_BLOCK_M, fp8, dtype, arch)
+        consts = gu if "GateUp" in op else dn
+    sig = abi.signature(io_dtypes(MOE_SUBOPS[op], dtype))
+    tag = _dt(dtype) + (".fp8" if fp8 else "")
+    return Variant(f"{op}.{tag}", abi.module, abi.kernel, sig, consts, dict(opts), op)
+
+
+def moe_subop_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: int | None = None,
+                       arch: int = 90) -> list[Variant]:
+    """The five kernels of one CoresetMoE(FP8) on TensorRT: route, align, gate_up, down, combine."""
+    n = cfg.block_size if block_size is None else block_size
+    attrs = dict(top_p=cfg.moe_block_coreset_top_p, coreset=cfg.moe_block_coreset_enabled, block_size=n)
+    ops = ["MoERoute", "MoEAlign", "MoEGateUpFP8" if fp8 else "MoEGateUp", "MoEDownFP8" if fp8 else "MoEDown",
+           "MoECombine"]
+    return [moe_subop_variant(op, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                              cfg.moe_intermediate_size, attrs, dtype, arch) for op in ops]
+
+
 def trt_variants(cfg, arch: int) -> list[Variant]:
-    """The single-kernel plugins TensorRT launches from PTX (BlockGDN, BlockAttention), BF16 graphs."""
-    return [gdn_variant(cfg, "bfloat16"), gdn_variant(cfg, "bfloat16", "float32"),
-            attention_variant(cfg, "bfloat16", arch=arch)]
+    """Every kernel TensorRT launches from PTX for a BF16 (and, where the GPU has e4m3, FP8) engine."""
+    out = [gdn_variant(cfg, "bfloat16"), gdn_variant(cfg, "bfloat16", "float32"),
+           attention_variant(cfg, "bfloat16", arch=arch)] + moe_subop_variants(cfg, "bfloat16", arch=arch)
+    if arch in launch.FP8_ARCHS:
+        out += [v for v in moe_subop_variants(cfg, "bfloat16", True, arch=arch) if v.key.endswith(".fp8")]
+    return out
 
 
 def all_variants(cfg, arch: int) -> list[Variant]:
@@ -222,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="output folder")
     ap.add_argument("--arch", type=int, action="append", help="SM architecture(s), e.g. 90 (default: all supported)")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny config instead of Clover-35B-A3B sizes")
-    ap.add_argument("--trt-only", action="store_true", help="only the single-kernel plugins TensorRT launches from PTX")
+    ap.add_argument("--trt-only", action="store_true", help="only the kernels TensorRT launches from PTX (model.trt.onnx)")
     args = ap.parse_args(argv)
     from clover_export.config import CloverConfig
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, OpContract
+from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_GDN, MOE_ALIGN, MOE_COMBINE, MOE_DOWN,
+                                            MOE_DOWN_FP8, MOE_GATE_UP, MOE_GATE_UP_FP8, MOE_ROUTE, OpContract)
 
 # dtype spellings: contract / torch name -> Triton signature type
 TRITON_TYPES = {
@@ -34,6 +35,19 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a, b):
     return (a + b - 1) // b
+
+
+def build_time_cdiv(symbolic_cdiv):
+    """A cdiv for TensorRT's launch parameters: plain ints where both sides are build-time constants
+    (`tensorrt.plugin.cdiv` raises ValueError on two ints: checked in TensorRT 10.9-11.1,
+    python/packaging/bindings_wheel/tensorrt/plugin/_top_level.py), the symbolic one otherwise."""
+
+    def f(a, b):
+        if isinstance(a, int) and isinstance(b, int):
+            return cdiv(a, b)
+        return symbolic_cdiv(a, b)
+
+    return f
 
 
 @dataclass(frozen=True)
@@ -200,3 +214,44 @@ def moe_grids(num_experts: int, B: int, T: int, gu: dict, dn: dict, block_d: int
         "down": (num_experts, cdiv(dn["D"], dn["BLOCK_N"]), 1),
         "combine": (B * T, cdiv(dn["D"], block_d), 1),
     }
+
+
+# ---------------------------------------------------------------- CoresetMoE as AOT sub-ops (model.trt.onnx)
+# One kernel per sub-op, launched by TensorRT from PTX: inputs, int32 scalars, outputs (the contracts' order).
+MOE_SUBOP_ABIS = {
+    MOE_ROUTE.name: _abi(MOE_ROUTE, "moe_route_kernel", "moe", [("T", "logits", 1)]),
+    MOE_ALIGN.name: _abi(MOE_ALIGN, "moe_align_kernel", "moe", [("B", "idx", 0), ("T", "idx", 1)]),
+    MOE_GATE_UP.name: _abi(MOE_GATE_UP, "moe_gate_up_plain_kernel", "moe", []),
+    MOE_GATE_UP_FP8.name: _abi(MOE_GATE_UP_FP8, "moe_gate_up_kernel", "moe", []),
+    MOE_DOWN.name: _abi(MOE_DOWN, "moe_down_plain_kernel", "moe", []),
+    MOE_DOWN_FP8.name: _abi(MOE_DOWN_FP8, "moe_down_kernel", "moe", []),
+    MOE_COMBINE.name: _abi(MOE_COMBINE, "moe_combine_kernel", "moe", []),
+}
+MOE_AOT_BLOCK_M = 16  # pairs per tile in the engine (fixed at build time; decode has ~2 pairs per expert)
+MOE_COMBINE_BLOCK_D = 256
+MOE_ALIGN_LAUNCH = dict(num_warps=4, num_stages=1)
+
+
+def moe_align_constexprs(num_experts: int, top_k: int) -> dict:
+    """[BLOCK_P, next_pow2(E + 1)] int32 tiles of ~8K elements (one program: kept small, not fast)."""
+    ep1 = next_pow2(num_experts + 1)
+    return dict(E=num_experts, EP1=ep1, K=top_k, BLOCK_P=max(1, min(64, 8192 // ep1)))
+
+
+def moe_combine_constexprs(hidden: int, num_experts: int, top_k: int) -> dict:
+    return dict(D=hidden, E=num_experts, K=top_k, KP=next_pow2(top_k), BLOCK_D=MOE_COMBINE_BLOCK_D)
+
+
+def moe_subop_grid(op: str, B, T, num_experts: int, consts: dict, cdiv=cdiv) -> tuple:
+    """Grid of a MoE sub-op; B and T may be TensorRT shape expressions, everything else is a build-time int."""
+    if op == MOE_ROUTE.name:
+        return (B, 1 + cdiv(T - consts["N"], consts["BT"]), 1)
+    if op == MOE_ALIGN.name:
+        return (1, 1, 1)
+    if op in (MOE_GATE_UP.name, MOE_GATE_UP_FP8.name):
+        return (num_experts, cdiv(consts["I"], consts["BLOCK_N"]), 1)
+    if op in (MOE_DOWN.name, MOE_DOWN_FP8.name):
+        return (num_experts, cdiv(consts["D"], consts["BLOCK_N"]), 1)
+    if op == MOE_COMBINE.name:
+        return (B * T, cdiv(consts["D"], consts["BLOCK_D"]), 1)
+    raise ValueError(f"clover::{op} is not a MoE sub-op")

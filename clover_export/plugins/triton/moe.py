@@ -139,6 +139,24 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_pt
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_PREC: tl.constexpr):
     """h[pair, n] = silu(x W_g[e]^T) * (x W_u[e]^T), model-dtype rounding as the reference."""
+    _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, HAS_SCALE, BLOCK_M, BLOCK_N,
+             BLOCK_K, DOT_PREC)
+
+
+@triton.jit
+def moe_gate_up_plain_kernel(x_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr,
+                             D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             DOT_PREC: tl.constexpr):
+    """`clover::MoEGateUp` (no scales): the launch ABI of its contract, inputs then outputs."""
+    _gate_up(x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, False, BLOCK_M, BLOCK_N, BLOCK_K,
+             DOT_PREC)
+
+
+@triton.jit
+def _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
+             D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -177,6 +195,24 @@ def moe_down_kernel(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_p
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_PREC: tl.constexpr):
     """y[pair, n] = (h W_down[e]^T)[n] * routing weight, rounded like the reference."""
+    _down(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, HAS_SCALE, BLOCK_M, BLOCK_N,
+          BLOCK_K, DOT_PREC)
+
+
+@triton.jit
+def moe_down_plain_kernel(h_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
+                          D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_PREC: tl.constexpr):
+    """`clover::MoEDown` (no scales): the launch ABI of its contract, inputs then outputs."""
+    _down(h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, False, BLOCK_M, BLOCK_N, BLOCK_K,
+          DOT_PREC)
+
+
+@triton.jit
+def _down(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
+          D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
@@ -212,3 +248,28 @@ def moe_combine_kernel(y_ptr, idx_ptr, out_ptr, D: tl.constexpr, E: tl.constexpr
     ok = (j < K) & (tl.load(idx_ptr + t * K + j, mask=j < K, other=E) < E)
     y = tl.load(y_ptr + (t * K + j)[:, None] * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
     tl.store(out_ptr + t * D + d, tl.sum(y.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def moe_align_kernel(idx_ptr, B, T, offsets_ptr, order_ptr, E: tl.constexpr, EP1: tl.constexpr, K: tl.constexpr,
+                     BLOCK_P: tl.constexpr):
+    """`clover::MoEAlign`, grid (1,): a stable counting sort of the B*T*K pairs by expert id (replaces
+    torch.sort + searchsorted). Pass 1 counts per id (E = unused, sorts last), pass 2 places each pair
+    at its id's start + the pairs of that id before it. offsets [E+1] int32, order [B*T*K] int32."""
+    P = B * T * K
+    e = tl.arange(0, EP1)
+    counts = tl.zeros([EP1], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(idx_ptr + p, mask=p < P, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    run = tl.cumsum(counts, axis=0) - counts  # exclusive prefix sum: where each id's pairs start
+    tl.store(offsets_ptr + e, run, mask=e <= E)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(idx_ptr + p, mask=p < P, other=-1)
+        hit = (ids[:, None] == e[None, :]).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0) - hit  # earlier pairs of the same id in this tile
+        pos = tl.sum(hit * (run[None, :] + rank), axis=1)
+        tl.store(order_ptr + pos, p, mask=p < P)
+        run += tl.sum(hit, axis=0)

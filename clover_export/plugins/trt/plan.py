@@ -1,29 +1,27 @@
 """What the TensorRT plugins declare, as plain functions tested without TensorRT (STEP_GRAPH.md 2, 4).
 
-For each `clover::` op: the output descriptors (shape and dtype rules from
-the contract, cache outputs as aliases of the cache inputs), the dtype
-combinations offered to `@trtp.autotune`, and how it runs: BlockGDN and
-BlockAttention are one Triton kernel each, launched by TensorRT from AOT PTX
-(`aot_plan`: kernel variant, grid, extra int32 scalars); CoresetMoE and
-CoresetMoEFP8 are several launches (routing, two grouped GEMMs, combine) and
-a TensorRT AOT plugin is exactly one kernel with no workspace, so they run
-through the Python JIT path (`@trtp.impl`) on the Triton implementation of
-their torch ops (`cuda_ops.kernel`).
+For each plugin op of `model.trt.onnx` (`contracts.TRT_CONTRACTS`): the
+output descriptors (shape and dtype rules from the contract, cache outputs
+as aliases of the cache inputs), the dtype combinations offered to
+`@trtp.autotune`, and how it runs: every op is one Triton kernel that
+TensorRT launches from AOT PTX (`aot_plan`: kernel variant, grid, extra
+int32 scalars), so no step calls back into Python. BlockGDN and
+BlockAttention are one kernel each; CoresetMoE(FP8) is not a plugin on
+TensorRT: `exporter/trt_graph.py` splits it into the MoE sub-ops (router
+MatMul, MoERoute, MoEAlign, MoEGateUp(FP8), MoEDown(FP8), MoECombine).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_GDN, CONTRACTS, CORESET_MOE, CORESET_MOE_FP8,
-                                            OpContract)
+from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, MOE_SUBOPS, TRT_CONTRACTS, OpContract
 from clover_export.plugins.triton import launch
 
 TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int32": "INT32",
                   "float8_e4m3fn": "FP8"}
-AOT_OPS = (BLOCK_GDN.name, BLOCK_ATTENTION.name)  # one kernel each: TensorRT launches their PTX
-JIT_OPS = (CORESET_MOE.name, CORESET_MOE_FP8.name)  # several kernels: TensorRT calls back into Python
-PREVIEW_FEATURES = ("ALIASED_PLUGIN_IO_10_03",)  # builder preview feature for plugin outputs aliasing inputs
+AOT_OPS = tuple(TRT_CONTRACTS)  # one kernel each: TensorRT launches their PTX; ONNX nodes carry aot=1
+PREVIEW_FEATURES = ("ALIASED_PLUGIN_IO_10_03",)  # builder preview feature for plugin outputs aliasing inputs (required)
 
 
 @dataclass(frozen=True)
@@ -94,26 +92,53 @@ class AotPlan:
 
 def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes: dict[str, str], arch: int,
              cdiv=launch.cdiv) -> AotPlan:
-    """Kernel variant, grid and extra scalars for an AOT op. `shapes` static dims must be ints."""
+    """Kernel variant, grid and extra scalars for an AOT op. Static dims must be ints; batch and step length
+    may be TensorRT shape expressions. `cdiv` is only called where one side is symbolic
+    (`launch.build_time_cdiv`: TensorRT's own cdiv refuses two ints)."""
     from clover_export.plugins.triton import aot
 
+    cdiv = launch.build_time_cdiv(cdiv)
+    s = shapes
     if op == BLOCK_GDN.name:
-        s = shapes
         v = aot.gdn_variant_for(int(attrs["num_k_heads"]), int(s["A_log"][0]), int(attrs["head_k_dim"]),
                                 int(attrs["head_v_dim"]), int(s["conv_w"][1]), int(attrs["block_size"]),
                                 dtypes["mixed_qkv"], dtypes["A_log"])
         grid = launch.gdn_grid(s["mixed_qkv"][0], int(attrs["num_k_heads"]))
         abi = launch.GDN_ABI
     elif op == BLOCK_ATTENTION.name:
-        s = shapes
         v = aot.attention_variant_for(int(s["q"][2]), int(s["k"][2]), int(s["q"][3]), int(attrs["block_size"]),
                                       float(attrs["scale"]), dtypes["q"], arch)
         grid = launch.attention_grid(s["q"][0], s["q"][1], v.constexprs, cdiv=cdiv)
         abi = launch.ATTENTION_ABI
+    elif op in MOE_SUBOPS:
+        E, K, D, I = moe_dims(op, shapes, attrs)
+        first = s[MOE_SUBOPS[op].inputs[0].name]
+        model_dtype = dtypes[MOE_SUBOPS[op].inputs[0].name]
+        v = aot.moe_subop_variant(op, E, K, D, I, attrs, model_dtype, arch)
+        grid = launch.moe_subop_grid(op, first[0], first[1], E, v.constexprs, cdiv=cdiv)
+        abi = launch.MOE_SUBOP_ABIS[op]
     else:
-        raise ValueError(f"clover::{op} has no single-kernel AOT implementation (it runs through the JIT path)")
+        raise ValueError(f"clover::{op} is not a TensorRT plugin op (CoresetMoE is split by exporter/trt_graph.py)")
     return AotPlan(v, grid, tuple((src, dim) for _, src, dim in abi.scalars))
 
 
+def moe_dims(op: str, shapes: dict[str, tuple], attrs: dict[str, object]) -> tuple[int, int, int, int]:
+    """(experts, top_k, hidden, intermediate) of a MoE sub-op from its static dims (0 where the op has none)."""
+    s = shapes
+    if op == "MoERoute":
+        return int(s["logits"][2]), int(attrs["top_k"]), 0, 0
+    if op == "MoEAlign":
+        return int(attrs["num_experts"]), int(s["idx"][2]), 0, 0
+    if op in ("MoEGateUp", "MoEGateUpFP8"):
+        w = s["gate_up" if op == "MoEGateUp" else "gate_up_fp8"]
+        return int(w[0]), int(s["order"][2]), int(w[2]), int(w[1]) // 2
+    if op in ("MoEDown", "MoEDownFP8"):
+        w = s["down" if op == "MoEDown" else "down_fp8"]
+        return int(w[0]), int(s["order"][2]), int(w[1]), int(w[2])
+    if op == "MoECombine":
+        return int(attrs["num_experts"]), int(s["y"][2]), int(s["y"][3]), 0
+    raise ValueError(f"clover::{op} is not a MoE sub-op")
+
+
 def contract(name: str) -> OpContract:
-    return CONTRACTS[name]
+    return TRT_CONTRACTS[name]

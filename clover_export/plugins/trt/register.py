@@ -1,7 +1,12 @@
-"""`tensorrt.plugin` registration of the `clover::` ops (imported only where TensorRT is installed).
+"""`tensorrt.plugin` registration of the `clover::` plugin ops (imported only where TensorRT is installed).
 
-Written to the documented `tensorrt.plugin` API of TensorRT 10.x/11.x
-(`register`, `autotune`, `aot_impl`, `impl`). Every decision comes from
+Written to the `tensorrt.plugin` API of TensorRT >= 10.9 (`register`,
+`autotune`, `aot_impl`, `KernelLaunchParams`, `SymIntExprs`, `cdiv`; checked
+against NVIDIA/TensorRT python/packaging/bindings_wheel/tensorrt/plugin at
+v10.9.0 and v11.1). Every op of `model.trt.onnx` (`TRT_CONTRACTS`) is AOT
+only: TensorRT launches its PTX, nothing calls back into Python per step
+(the ONNX nodes carry `aot=1`, samples/python/quickly_deployable_plugins/
+README.md "ONNX model with an AOT plugin"). Every decision comes from
 `plan.py` and `plugins/triton` (tested without TensorRT); this file only
 translates descriptors. The registered functions get their signatures from
 the op contracts (`__signature__`, which `inspect.signature` honours), so the
@@ -17,13 +22,12 @@ from typing import List, Tuple, Union
 import tensorrt as trt
 import tensorrt.plugin as trtp
 
-from clover_export.plugins.contracts import CONTRACTS, OpContract
+from clover_export.plugins.contracts import TRT_CONTRACTS, OpContract
 from clover_export.plugins.trt import plan
 
 _TRT_DTYPES = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16, "int32": trt.int32,
                "float8_e4m3fn": getattr(trt, "fp8", None)}
 _ATTR_TYPES = {"int": int, "float": float, "bool": int}
-_ATTR_VALUES = {"int": int, "float": float, "bool": bool}  # what the Triton path takes
 
 
 def _dtype_name(dtype) -> str:
@@ -47,25 +51,6 @@ def _static(expr):
 
 def _dims(desc) -> tuple:
     return tuple(_static(desc.shape_expr[i]) for i in range(desc.ndim))
-
-
-class _Buffer:
-    """A CUDA array interface over a plugin tensor's buffer, typed as same-width ints: the interface has no
-    bf16 / fp8 type strings, so the buffer is wrapped as ints and viewed as the real dtype by torch."""
-
-    _INTS = {1: "|i1", 2: "<i2", 4: "<i4", 8: "<i8"}
-
-    def __init__(self, t, itemsize: int):
-        self.__cuda_array_interface__ = {"shape": tuple(int(d) for d in t.shape), "typestr": self._INTS[itemsize],
-                                         "data": (int(t.data_ptr), False), "version": 3, "strides": None}
-
-
-def _as_torch(t):
-    """A torch view (no copy) of a `trtp.Tensor`, any of the plugins' dtypes."""
-    import torch
-
-    dtype = getattr(torch, _dtype_name(t.dtype))
-    return torch.as_tensor(_Buffer(t, dtype.itemsize), device="cuda").view(dtype)
 
 
 def _build_arch() -> int:
@@ -118,44 +103,26 @@ def _register(contract: OpContract) -> None:
     trtp.autotune(contract.qualname)(_signed(tune, desc_in + [("outputs", out_descs)],
                                              List[trtp.AutoTuneCombination], f"{contract.name}_autotune"))
 
-    if contract.name in plan.AOT_OPS:
-        def aot_impl(args):
-            from clover_export.plugins.triton import aot
+    def aot_impl(args):
+        from clover_export.plugins.triton import aot
 
-            arch = _build_arch()
-            shapes = {n: _dims(args[n]) for n in inputs}
-            dtypes = {n: _dtype_name(args[n].dtype) for n in inputs}
-            p = plan.aot_plan(contract.name, shapes, {a: args[a] for a, _ in attrs}, dtypes, arch, cdiv=trtp.cdiv)
-            c = aot.compile_variant(p.variant, arch)
-            lp = trtp.KernelLaunchParams()
-            lp.grid_x, lp.grid_y, lp.grid_z = p.grid
-            lp.block_x = c.block
-            lp.shared_mem = c.shared
-            extra = trtp.SymIntExprs(len(p.scalars))
-            for i, (src, dim) in enumerate(p.scalars):
-                extra[i] = trtp.SymInt32(args[src].shape_expr[dim])
-            return c.name, c.ptx, lp, extra
+        arch = _build_arch()
+        shapes = {n: _dims(args[n]) for n in inputs}
+        dtypes = {n: _dtype_name(args[n].dtype) for n in inputs}
+        p = plan.aot_plan(contract.name, shapes, {a: args[a] for a, _ in attrs}, dtypes, arch, cdiv=trtp.cdiv)
+        c = aot.compile_variant(p.variant, arch)
+        lp = trtp.KernelLaunchParams()
+        lp.grid_x, lp.grid_y, lp.grid_z = p.grid
+        lp.block_x = c.block
+        lp.shared_mem = c.shared
+        extra = trtp.SymIntExprs(len(p.scalars))
+        for i, (src, dim) in enumerate(p.scalars):
+            extra[i] = trtp.SymInt32(args[src].shape_expr[dim])
+        return c.name, c.ptx, lp, extra
 
-        ret = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]
-        trtp.aot_impl(contract.qualname)(_signed(aot_impl, desc_in + attrs + [("outputs", out_descs), ("tactic", int)],
-                                                 ret, f"{contract.name}_aot"))
-    else:
-        def impl(args):
-            import torch
-
-            from clover_export.plugins import cuda_ops
-
-            t = [_as_torch(args[n]) for n in inputs]
-            values = [_ATTR_VALUES[a.type](args[a.name]) for a in contract.attributes]
-            outs = [_as_torch(o) for o in args["outputs"]]
-            with torch.cuda.stream(torch.cuda.ExternalStream(args["stream"])):
-                for out, res in zip(outs, cuda_ops.kernel(contract.name)(*t, *values)):
-                    out.copy_(res)
-
-        out_tensors = Tuple[tuple([trtp.Tensor] * n_out)]
-        trtp.impl(contract.qualname)(_signed(impl, [(n, trtp.Tensor) for n in inputs] + attrs
-                                             + [("outputs", out_tensors), ("stream", int)], None,
-                                             f"{contract.name}_impl"))
+    ret = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]
+    trtp.aot_impl(contract.qualname)(_signed(aot_impl, desc_in + attrs + [("outputs", out_descs), ("tactic", int)],
+                                             ret, f"{contract.name}_aot"))
 
 
 _DONE: set[str] = set()
@@ -163,7 +130,7 @@ _DONE: set[str] = set()
 
 def register_all() -> tuple[str, ...]:
     """Register every contract's plugin once per process; returns the plugin ids."""
-    for contract in CONTRACTS.values():
+    for contract in TRT_CONTRACTS.values():
         if contract.qualname not in _DONE:
             _register(contract)
             _DONE.add(contract.qualname)
