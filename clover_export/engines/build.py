@@ -211,15 +211,18 @@ def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log) -> Path:
 
 
 def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, log) -> None:
-    from clover_export.engines.doctor import PRECISION_MIN_SM, collect
+    from clover_export.engines.doctor import PRECISION_MIN_SM, collect, tensorrt_problem
+    from clover_export.exporter.artifact import load_artifact
 
+    art = load_artifact(graph)
+    if art.weights_mode == "map":  # TensorRT reads external data from files beside the graph (STEP_GRAPH.md 2)
+        raise CloverError("build", f"{graph.name} has map-mode weights (the checkpoint referenced in place through "
+                          "weights.json): TensorRT cannot parse or refit them", "build again with --weights link or copy")
     facts = collect()
-    why = None
-    if facts.tensorrt is None:
-        why = "TensorRT is not installed on this machine"
-    elif not facts.gpus:
+    why = tensorrt_problem(facts)  # absent, broken (with the import error) or older than the floor (with the features)
+    if why is None and not facts.gpus:
         why = "no CUDA GPU on this machine"
-    elif tuple(facts.gpus[0]["sm"]) < PRECISION_MIN_SM[opts.precision]:
+    elif why is None and tuple(facts.gpus[0]["sm"]) < PRECISION_MIN_SM[opts.precision]:
         sm = facts.gpus[0]["sm"]
         why = f"{opts.precision} engines need sm_{''.join(map(str, PRECISION_MIN_SM[opts.precision]))}+, this GPU is sm_{sm[0]}{sm[1]}"
     if why:
@@ -232,9 +235,8 @@ def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, lo
         return
     from clover_export.engines.profiles import BuildSettings
     from clover_export.engines.tensorrt_build import build_engine
-    from clover_export.exporter.artifact import load_artifact
+    from clover_export.exporter.trt_graph import TRT_GRAPH
 
-    art = load_artifact(graph)
     plan_path = graph / ENGINE_FILE  # beside its graph: `generate GRAPH_DIR --backend trt` finds it there
     key = _key("engine", opts.precision, opts.strip_weights, facts.tensorrt, facts.gpus[0]["name"], *base)
     if stages.done("engine", key, plan_path):
@@ -242,7 +244,7 @@ def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, lo
         res.engine = plan_path
         return
     settings = BuildSettings(opts.precision, 4 * 1024**3, opts.strip_weights, str(out / "timing.cache"))
-    info = build_engine(art.graph_path, plan_path, art.manifest["profiles"], settings)
+    info = build_engine(graph / TRT_GRAPH, plan_path, art.manifest["profiles"], settings)  # no clover functions
     manifest = {**art.manifest, "engine": ENGINE_FILE, "engine_info": info}
     from clover_export.atomic import atomic_write
 

@@ -19,6 +19,7 @@ class Facts:
     onnxruntime: str | None = None
     ort_providers: list[str] = field(default_factory=list)
     tensorrt: str | None = None
+    tensorrt_error: str | None = None  # installed but `import tensorrt` failed: the reason
     triton: str | None = None
     polygraphy: str | None = None
     cupy: str | None = None
@@ -32,8 +33,12 @@ def _version(module: str) -> str | None:
 
 
 def collect() -> Facts:
-    f = Facts(torch=_version("torch"), onnxruntime=_version("onnxruntime"), tensorrt=_version("tensorrt"),
-              triton=_version("triton"), polygraphy=_version("polygraphy"), cupy=_version("cupy"))
+    from clover_export.engines.tensorrt_build import probe_tensorrt
+
+    trt_version, trt_error = probe_tensorrt()
+    f = Facts(torch=_version("torch"), onnxruntime=_version("onnxruntime"), tensorrt=trt_version,
+              tensorrt_error=trt_error, triton=_version("triton"), polygraphy=_version("polygraphy"),
+              cupy=_version("cupy"))
     if f.torch:
         import torch
 
@@ -49,6 +54,17 @@ def collect() -> Facts:
     return f
 
 
+def tensorrt_problem(f: Facts) -> str | None:
+    """Why this machine's TensorRT cannot build clover engines (None: it can): absent, broken, or too old."""
+    from clover_export.engines.trt_versions import too_old_reason
+
+    if f.tensorrt_error:
+        return f"TensorRT is installed but cannot be imported: {f.tensorrt_error}"
+    if not f.tensorrt:
+        return "TensorRT is not installed on this machine"
+    return too_old_reason(f.tensorrt)
+
+
 def capabilities(f: Facts) -> list[tuple[str, bool, str]]:
     """(what, works, why) rows derived from the facts alone."""
     gpu = f.gpus[0] if f.gpus else None
@@ -58,8 +74,8 @@ def capabilities(f: Facts) -> list[tuple[str, bool, str]]:
         ("validate / generate --backend ort", bool(f.onnxruntime),
          f"ONNX Runtime providers: {', '.join(f.ort_providers) or 'none'}" if f.onnxruntime else "onnxruntime not installed"),
     ]
-    trt_ok = bool(f.tensorrt and gpu)
-    why = "TensorRT not installed" if not f.tensorrt else ("no CUDA GPU" if not gpu else f"TensorRT {f.tensorrt}")
+    why = tensorrt_problem(f) or ("no CUDA GPU" if not gpu else f"TensorRT {f.tensorrt}")
+    trt_ok = tensorrt_problem(f) is None and bool(gpu)
     rows.append(("build engines / generate --backend trt", trt_ok, why))
     for prec, sm in PRECISION_MIN_SM.items():
         if gpu:
@@ -81,6 +97,9 @@ def report(f: Facts) -> list[str]:
         lines.append("  GPU: none" if g is None else
                      f"  GPU: {g['name']}, sm_{g['sm'][0]}{g['sm'][1]}, {g['memory'] / 1024**3:.1f} GiB")
     for name in ("onnxruntime", "tensorrt", "triton", "polygraphy", "cupy"):
+        if name == "tensorrt" and f.tensorrt_error:
+            lines.append(f"  tensorrt: installed but broken ({f.tensorrt_error})")
+            continue
         lines.append(f"  {name}: {getattr(f, name) or 'not installed'}")
     lines.append("works here:")
     for what, ok, why in capabilities(f):

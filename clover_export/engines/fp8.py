@@ -217,6 +217,11 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
         manifest["quantization"] = {**report.to_dict(), "source": str(art.dir.resolve())}
         manifest["ops"] = manifest_entry(used)
         manifest["weights"] = {**manifest["weights"], "fp8_file": f"weights/{FP8_BIN}", "source_files": linked}
+        manifest.pop("tensorrt", None)
+        if art.dtype != "fp32" and art.weights_mode != "map":  # engine-bound: the graph TensorRT parses
+            from clover_export.exporter.trt_graph import write_trt_graph
+
+            manifest["tensorrt"] = write_trt_graph(tmp, proto, art.config.num_experts)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         fp8_map = {k: v for k, v in wmap.items() if k not in drop}
         for t in g.initializer:

@@ -16,77 +16,175 @@ from clover_export.errors import CloverError
 
 
 INSTALL_NOTE = "install the tensorrt wheel matching your CUDA (pip install tensorrt) on a machine with an NVIDIA GPU"
+BROKEN_NOTE = ("the tensorrt package is there but its import failed: check that the TensorRT and CUDA libraries "
+               "(libnvinfer) it names are installed and on the library path (LD_LIBRARY_PATH), matching the wheel")
+
+
+def probe_tensorrt() -> tuple[str | None, str | None]:
+    """(version, None) when `import tensorrt` works; (None, None) when it is not installed; (None, why) when an
+    installed TensorRT cannot be imported (a missing libnvinfer, a mismatched CUDA, ...)."""
+    try:
+        import tensorrt as trt
+    except ModuleNotFoundError as e:
+        if e.name == "tensorrt":
+            return None, None
+        return None, f"{type(e).__name__}: {e}"
+    except Exception as e:  # ImportError / OSError from a broken install: report it, never "not installed"
+        return None, f"{type(e).__name__}: {e}"
+    return str(getattr(trt, "__version__", "unknown")), None
 
 
 def import_tensorrt(component: str = "tensorrt", note: str = INSTALL_NOTE):
-    """The one TensorRT import guard (builder, loader, runtime backend): 10.x or 11.x, or a plain error."""
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise CloverError(component, "TensorRT is not installed on this machine", note) from None
-    major = int(trt.__version__.split(".")[0])
-    if major < 10:
-        raise CloverError(component, f"TensorRT {trt.__version__} is too old", "TensorRT 10.x or 11.x is required")
+    """The one TensorRT import guard (builder, loader, runtime backend): >= the floor of `trt_versions`, or a
+    plain error saying what failed (not installed, installed but broken, too old and why)."""
+    from clover_export.engines.trt_versions import require_tensorrt
+
+    version, broken = probe_tensorrt()
+    if broken:
+        raise CloverError(component, f"TensorRT is installed but cannot be imported ({broken})", BROKEN_NOTE)
+    if version is None:
+        raise CloverError(component, "TensorRT is not installed on this machine", note)
+    require_tensorrt(version, component)
+    import tensorrt as trt
+
     return trt
 
 
 def tensorrt_version() -> str | None:
-    try:
-        import tensorrt as trt
-    except ImportError:
-        return None
-    return trt.__version__
+    return probe_tensorrt()[0]
+
+
+class _SafeMonitor:
+    """Progress bars for TensorRT's build phases that never raise into TensorRT (an exception thrown from a
+    monitor callback aborts the build): a failing bar is dropped, the build goes on."""
+
+    def __init__(self):
+        self.bars = {}
+
+    def phase_start(self, phase_name, parent_phase, num_steps):
+        try:
+            from tqdm import tqdm
+
+            self.bars[phase_name] = tqdm(total=num_steps, desc=phase_name, leave=parent_phase is None)
+        except Exception:  # a progress bar is never worth a failed build
+            self.bars.pop(phase_name, None)
+
+    def step_complete(self, phase_name, step):
+        try:
+            bar = self.bars.get(phase_name)
+            if bar is not None:
+                bar.update(1)
+        except Exception:  # see the class docstring
+            self.bars.pop(phase_name, None)
+        return True  # keep building
+
+    def phase_finish(self, phase_name):
+        try:
+            bar = self.bars.pop(phase_name, None)
+            if bar is not None:
+                bar.close()
+        except Exception:  # see the class docstring
+            pass
 
 
 def _progress_monitor(trt):
-    from tqdm import tqdm
-
     class TqdmMonitor(trt.IProgressMonitor):
-        """Feeds TensorRT's build phases into progress bars (one per phase)."""
-
         def __init__(self):
             trt.IProgressMonitor.__init__(self)
-            self.bars = {}
+            self.safe = _SafeMonitor()
 
         def phase_start(self, phase_name, parent_phase, num_steps):
-            self.bars[phase_name] = tqdm(total=num_steps, desc=phase_name, leave=parent_phase is None)
+            self.safe.phase_start(phase_name, parent_phase, num_steps)
 
         def step_complete(self, phase_name, step):
-            self.bars[phase_name].update(1)
-            return True  # keep building
+            return self.safe.step_complete(phase_name, step)
 
         def phase_finish(self, phase_name):
-            self.bars.pop(phase_name).close()
+            self.safe.phase_finish(phase_name)
 
     return TqdmMonitor()
 
 
-def build_engine(onnx_path: Path, plan_path: Path, profiles: list[dict], settings: BuildSettings) -> dict:
-    """Parse (plugins registered), build one strongly typed engine, write the plan atomically."""
+def plugin_layer_problems(found: dict[str, int], expected: dict[str, int]) -> list[str]:
+    """Compare the parsed network's clover plugin layers (op -> count) with the ONNX graph's clover nodes."""
+    problems = []
+    for op in sorted(set(found) | set(expected)):
+        if found.get(op, 0) != expected.get(op, 0):
+            problems.append(f"clover::{op}: {found.get(op, 0)} plugin layer(s) after parsing, "
+                            f"{expected.get(op, 0)} node(s) in the graph")
+    return problems
+
+
+def _clover_plugin_layers(trt, network) -> dict[str, int]:
+    """op -> number of IPluginV3 layers in namespace clover (TensorRT 10.x/11.x Python API: ILayer.type,
+    IPluginV3Layer.plugin, IPluginV3.get_capability_interface(CORE).plugin_namespace / plugin_name)."""
+    from clover_export.plugins.contracts import NAMESPACE
+
+    found: dict[str, int] = {}
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type != trt.LayerType.PLUGIN_V3:
+            continue
+        layer.__class__ = trt.IPluginV3Layer  # get_layer returns the base class
+        core = layer.plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+        if core.plugin_namespace == NAMESPACE:
+            found[core.plugin_name] = found.get(core.plugin_name, 0) + 1
+    return found
+
+
+def registration_problems(needed: set[str], available: bool, registered: tuple[str, ...], why: str = "") -> list[str]:
+    """Every clover op of the graph must have a registered plugin before parsing (else a hard error)."""
+    from clover_export.plugins.contracts import NAMESPACE
+
+    if not available:
+        return [f"the clover plugins are not registered: tensorrt.plugin could not be imported{': ' + why if why else ''}"]
+    return [f"no plugin registered for {NAMESPACE}::{op}" for op in sorted(needed)
+            if f"{NAMESPACE}::{op}" not in registered]
+
+
+def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], settings: BuildSettings) -> dict:
+    """Parse `model.trt.onnx` (plugins registered and checked), build one strongly typed engine, write the plan
+    atomically. Every plugin is AOT: the plan runs without Python."""
+    import onnx
+
+    from clover_export.exporter.trt_graph import plugin_nodes
+
     trt = import_tensorrt()
     from clover_export.plugins import trt as clover_trt_plugins  # registers clover:: plugins
 
+    if not Path(trt_onnx_path).exists():
+        raise CloverError("tensorrt", f"{trt_onnx_path}: missing", "export the folder again (bf16, --weights link/copy)")
+    expected = dict(plugin_nodes(onnx.load(str(trt_onnx_path), load_external_data=False)))
+    problems = registration_problems(set(expected), clover_trt_plugins.AVAILABLE, clover_trt_plugins.REGISTERED,
+                                     clover_trt_plugins.IMPORT_ERROR)
+    if problems:
+        raise CloverError("tensorrt", "; ".join(problems), "nothing was built")
     major = int(trt.__version__.split(".")[0])
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 0
-    for name in settings.network_flags(major):
+    for name in settings.network_flags(major) + ["PREFER_AOT_PYTHON_PLUGINS"]:
         flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, name))
-    if hasattr(trt.NetworkDefinitionCreationFlag, "PREFER_AOT_PYTHON_PLUGINS"):
-        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    if not parser.parse_from_file(str(trt_onnx_path)):
         errors = "\n  ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise CloverError("tensorrt", f"{onnx_path}: the ONNX parser failed:\n  {errors}")
+        raise CloverError("tensorrt", f"{trt_onnx_path}: the ONNX parser failed:\n  {errors}")
+    problems = plugin_layer_problems(_clover_plugin_layers(trt, network), expected)
+    if problems:
+        raise CloverError("tensorrt", f"{trt_onnx_path}: the parsed network does not have one plugin layer per clover "
+                          "node:\n  " + "\n  ".join(problems), "nothing was built")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_bytes)
     config.builder_optimization_level = settings.builder_optimization_level
     for name in settings.flags(major):
         config.set_flag(getattr(trt.BuilderFlag, name))
-    for name in settings.preview_features():  # plugin outputs aliased to the cache inputs
-        if hasattr(trt.PreviewFeature, name):
-            config.set_preview_feature(getattr(trt.PreviewFeature, name), True)
+    for name in settings.preview_features():  # required: the cache-pool outputs alias their inputs
+        feature = getattr(trt.PreviewFeature, name, None)
+        if feature is None:
+            raise CloverError("tensorrt", f"TensorRT {trt.__version__} has no PreviewFeature.{name}",
+                              "the cache-pool plugins need it; use a TensorRT that has it")
+        config.set_preview_feature(feature, True)
     for p in profiles:  # the manifest's profiles: input name -> {"min", "opt", "max"}
         prof = builder.create_optimization_profile()
         for name, s in p["shapes"].items():
@@ -96,7 +194,9 @@ def build_engine(onnx_path: Path, plan_path: Path, profiles: list[dict], setting
     if settings.timing_cache:
         blob = Path(settings.timing_cache).read_bytes() if Path(settings.timing_cache).exists() else b""
         cache = config.create_timing_cache(blob)
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
+            raise CloverError("tensorrt", f"{settings.timing_cache}: TensorRT refused the timing cache (made by "
+                              "another TensorRT version or GPU?)", "delete the file to start a fresh cache")
     config.progress_monitor = _progress_monitor(trt)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -104,8 +204,8 @@ def build_engine(onnx_path: Path, plan_path: Path, profiles: list[dict], setting
     atomic_write(plan_path, memoryview(plan))
     if cache is not None:
         atomic_write(Path(settings.timing_cache), memoryview(cache.serialize()))
-    del clover_trt_plugins
     return {"tensorrt": trt.__version__, "plan": plan_path.name, "bytes": plan_path.stat().st_size,
+            "graph": Path(trt_onnx_path).name, "plugin_layers": sum(expected.values()),
             "profiles": [p["name"] for p in profiles], "stripped": settings.strip_weights}
 
 

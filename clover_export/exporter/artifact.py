@@ -2,6 +2,7 @@
 
 Folder layout (written by `export.py`, STEP_GRAPH.md 1-3):
   model.onnx        the step graph (opset 20 / IR 9), initializers as external data
+  model.trt.onnx    what TensorRT parses (bf16, link/copy weights): no functions, MoE as AOT sub-ops (trt_graph.py)
   manifest.json     everything below, plus config, profiles, op contracts, tool versions
   weights.json      the weight map: initializer name -> file, offset, length, dtype, shape
   weights/          shard hard links / reflinks / copies, and converted tensors (fp32 graphs)

@@ -14,7 +14,13 @@ Static checks only; it reports, it does not guess:
   folder, within the file (map mode: inside the mapped shards instead);
 - every dynamic dimension of the graph's inputs and outputs is set by every
   optimisation profile of the manifest;
-- `onnx.checker` (full check) on the graph without its external data.
+- `onnx.checker` (full check) on the graph without its external data;
+- TensorRT (`_check_tensorrt`): the graph it parses is `model.trt.onnx`
+  (engine-bound bf16 folders): no functions left (a missing plugin would
+  silently become the function body), only known plugin ops, each with
+  plugin_namespace / plugin_version and aot=1, the same external data as
+  `model.onnx`; map-mode weights cannot reach TensorRT. The report names the
+  graph, the plugin nodes by op and the minimum TensorRT version.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class CheckReport:
     folder: Path
     findings: list[Finding] = field(default_factory=list)
     nodes_checked: int = 0
+    tensorrt: list[str] = field(default_factory=list)  # what TensorRT would get (always shown by the CLI)
 
     @property
     def failures(self) -> list[Finding]:
@@ -87,8 +94,11 @@ def trt_table() -> dict[str, dict]:
                                 "restrictions": r["restrictions"].strip()} for r in csv.DictReader(f)}
 
 
-def check_folder(folder: str | Path, proto: onnx.ModelProto | None = None) -> CheckReport:
-    """Run every check on an export folder (the graph is read without its external data)."""
+def check_folder(folder: str | Path, proto: onnx.ModelProto | None = None, tensorrt: bool = True) -> CheckReport:
+    """Run every check on an export folder (the graph is read without its external data).
+
+    tensorrt=False skips the TensorRT rules (the exporter's own check of a map-mode folder, which is meant
+    for ONNX Runtime only)."""
     folder = Path(folder)
     mpath = folder / A.MANIFEST
     if not mpath.exists():
@@ -113,6 +123,8 @@ def check_folder(folder: str | Path, proto: onnx.ModelProto | None = None) -> Ch
     _check_custom_nodes(proto, rep)
     _check_external_data(proto, folder, manifest, rep)
     _check_profiles(proto, manifest, rep)
+    if tensorrt:
+        _check_tensorrt(folder, manifest, proto, rep)
     return rep
 
 
@@ -316,7 +328,7 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
                 "hard-linked external data when it loads a model by path (use --weights copy for such tools)")
     if mode == "map":
         rep.add("info", "weights", "map mode: external data is supplied from weights.json "
-                "(ONNX Runtime: clover_export.exporter.ort_session; TensorRT: refit from the weight map)")
+                "(ONNX Runtime only: clover_export.exporter.artifact.ort_session)")
 
 
 def _has_symlink(folder: Path, rel: Path) -> bool:
@@ -344,3 +356,78 @@ def _check_profiles(proto, manifest: dict, rep):
                 r = p.get("dims", {}).get(d.dim_param)
                 if not r or len(r) != 3 or not (1 <= r[0] <= r[1] <= r[2]):
                     rep.add("fail", vi.name, f"dimension {d.dim_param!r} has no valid min/opt/max in profile {p.get('name')!r}")
+
+
+# --- TensorRT: model.trt.onnx ------------------------------------------------------
+def _check_tensorrt(folder: Path, manifest: dict, proto, rep):
+    from clover_export.engines.trt_versions import FEATURES, MIN_TENSORRT, version_text
+    from clover_export.exporter.trt_graph import AOT_ATTR, TRT_GRAPH, plugin_nodes
+    from clover_export.plugins.contracts import TRT_CONTRACTS
+
+    if manifest.get("weights", {}).get("mode") == "map":
+        rep.add("fail", "weights", "map mode (the checkpoint referenced in place through weights.json) cannot reach "
+                "TensorRT, which reads external data from files beside the graph: export with --weights link or copy")
+        rep.tensorrt.append("TensorRT: no graph (map-mode weights)")
+        return
+    name = manifest.get("tensorrt", {}).get("graph", TRT_GRAPH)
+    path = folder / name
+    if not path.exists():
+        if manifest.get("dtype") == "fp32":
+            rep.add("info", TRT_GRAPH, "fp32 graph, for ONNX Runtime: TensorRT engines are built from bf16 graphs")
+            rep.tensorrt.append("TensorRT: not an engine-bound graph (fp32)")
+        else:
+            rep.add("fail", TRT_GRAPH, f"missing: TensorRT parses {TRT_GRAPH}, not {A.GRAPH} (export the folder again)")
+        return
+    try:
+        trt = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError / OSError
+        rep.add("fail", TRT_GRAPH, f"cannot read the graph ({e})")
+        return
+    for f in trt.functions:
+        rep.add("fail", f"{TRT_GRAPH} function {f.domain}::{f.name}", "a model-local function is left: TensorRT "
+                "would silently import its body instead of a missing plugin (no aliasing, no plugin)")
+    if trt.ir_version != IR_VERSION or {o.domain: o.version for o in trt.opset_import}.get("") != OPSET:
+        rep.add("fail", TRT_GRAPH, f"IR {trt.ir_version} / opset not pinned at IR {IR_VERSION} / opset {OPSET}")
+    for node in trt.graph.node:
+        if node.domain in ("", "ai.onnx"):
+            continue
+        where = f"{TRT_GRAPH} {node.domain}::{node.op_type} '{node.name or node.output[0]}'"
+        contract = TRT_CONTRACTS.get(node.op_type)
+        if node.domain != NAMESPACE or contract is None:
+            rep.add("fail", where, "not a clover TensorRT plugin op" + (
+                " (CoresetMoE must be split into its AOT sub-ops)" if node.op_type.startswith("CoresetMoE") else ""))
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        for key, want in (("plugin_namespace", NAMESPACE), ("plugin_version", PLUGIN_VERSION)):
+            got = attrs[key].s.decode() if key in attrs and attrs[key].type == AttributeProto.STRING else None
+            if got != want:
+                rep.add("fail", where, f"attribute {key} is {got!r}, expected {want!r}: without it the parser "
+                        "does not look for a plugin")
+        if AOT_ATTR not in attrs or attrs[AOT_ATTR].type != AttributeProto.INT or attrs[AOT_ATTR].i != 1:
+            rep.add("fail", where, f"attribute {AOT_ATTR}=1 missing: the plugin has only an AOT implementation")
+        expected = {a.name for a in contract.attributes} | {"plugin_namespace", "plugin_version", AOT_ATTR}
+        for a in sorted(expected - set(attrs) - {"plugin_namespace", "plugin_version", AOT_ATTR}):
+            rep.add("fail", where, f"attribute {a} missing")
+        for a in sorted(set(attrs) - expected):
+            rep.add("fail", where, f"attribute {a} is not in the contract")
+        for a in attrs.values():
+            bad = _plugin_attr_problem(a)
+            if bad:
+                rep.add("fail", where, f"attribute {a.name}: {bad}")
+        if len(node.input) != len(contract.inputs) or len(node.output) != len(contract.outputs):
+            rep.add("fail", where, f"{len(node.input)} inputs / {len(node.output)} outputs, contract has "
+                    f"{len(contract.inputs)} / {len(contract.outputs)}")
+    ext = lambda p: {t.name: [(e.key, e.value) for e in t.external_data] for t in p.graph.initializer}  # noqa: E731
+    mine, theirs = ext(trt), ext(proto)
+    for t in sorted(set(mine) ^ set(theirs)):
+        rep.add("fail", f"{TRT_GRAPH} initializer '{t}'", f"only in {TRT_GRAPH if t in mine else A.GRAPH}")
+    for t in sorted(set(mine) & set(theirs)):
+        if mine[t] != theirs[t]:
+            rep.add("fail", f"{TRT_GRAPH} initializer '{t}'", f"external data differs from {A.GRAPH}")
+    counts = plugin_nodes(trt)
+    rep.tensorrt.append(f"TensorRT parses {name}: {sum(counts.values())} plugin nodes in namespace {NAMESPACE} ("
+                        + ", ".join(f"{op} {n}" for op, n in sorted(counts.items())) + "), one plugin layer each")
+    left = [f"{f.domain}::{f.name}" for f in trt.functions]
+    rep.tensorrt.append("clover functions left: " + (", ".join(left) if left else "none"))
+    needs = [f.name for f in FEATURES if f.since == MIN_TENSORRT]
+    rep.tensorrt.append(f"minimum TensorRT {version_text()} ({'; '.join(needs)})")

@@ -56,10 +56,15 @@ def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, 
 def check_cmd(folder, verbose):
     """Check an exported FOLDER for TensorRT: operators and types against TensorRT's ONNX parser matrix
     (and its statically checkable restrictions), opset 20 / IR 9, plugin attributes, external-data paths,
-    and that the optimisation profiles cover every dynamic dimension. Exit status 1 on any failure."""
+    and that the optimisation profiles cover every dynamic dimension. For TensorRT it reports the graph it
+    would parse (model.trt.onnx), its plugin nodes by op, that no clover functions remain and the minimum
+    TensorRT version; map-mode weights, a function left in model.trt.onnx or a plugin node without
+    plugin_namespace / plugin_version / aot are failures. Exit status 1 on any failure (one line each)."""
     from clover_export.exporter.check import check_folder
 
     rep = check_folder(folder)
+    for line in rep.tensorrt:
+        click.echo(line)
     shown = [f for f in rep.findings if verbose or f.level == "fail"]
     for f in shown:
         click.echo(f"  {f}")

@@ -30,6 +30,7 @@ from clover_export.config import CloverConfig, load_config
 from clover_export.errors import CloverError
 from clover_export.exporter import artifact as A
 from clover_export.exporter.trace import BATCH, IR_VERSION, OPSET, POOL_LEN, SLOTS, STEP_LEN, trace_step
+from clover_export.exporter.trt_graph import TRT_GRAPH, write_trt_graph
 from clover_export.exporter.weights import WeightReport, WeightWriter
 from clover_export.models import parse_dtype, resolve_model_dir
 from clover_export.plugins import contracts
@@ -144,19 +145,22 @@ def export(
         onnx.save_model(proto, str(tmp / A.GRAPH))
         (tmp / A.WEIGHT_MAP).write_text(json.dumps({"mode": writer.report.mode, "tensors": writer.weight_map}))
         manifest = _manifest(cfg, model_dir, dtype, N, chunk, max_batch, slots, max_len, traced, writer.report)
+        engine_bound = dtype != "fp32" and writer.report.mode != "map"  # map mode cannot reach TensorRT
+        if engine_bound:  # what TensorRT parses: no clover functions, MoE as AOT sub-ops, same external data
+            manifest["tensorrt"] = write_trt_graph(tmp, proto, cfg.num_experts)
         (tmp / A.MANIFEST).write_text(json.dumps(manifest, indent=2))
         for fname in A.COMPANION_FILES:  # the runtime needs them; the model folder may move
             if (model_dir / fname).is_file():
                 shutil.copyfile(model_dir / fname, tmp / fname)
         from clover_export.exporter.check import check_folder
 
-        report = check_folder(tmp, proto=proto)
+        report = check_folder(tmp, proto=proto, tensorrt=writer.report.mode != "map")
         if report.failures:
             raise CloverError("check", f"the exported graph fails {len(report.failures)} readiness check(s):\n"
                               + report.format(only_failures=True),
                               "nothing was written; this is an exporter bug worth reporting")
         written = writer.report.weight_bytes_written + sum(
-            (tmp / f).stat().st_size for f in (A.GRAPH, A.WEIGHT_MAP, A.MANIFEST))
+            (tmp / f).stat().st_size for f in (A.GRAPH, A.WEIGHT_MAP, A.MANIFEST) + ((TRT_GRAPH,) if engine_bound else ()))
         replace_dir(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
