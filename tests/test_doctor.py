@@ -13,7 +13,7 @@ def rows(f):
 def test_rules_for_known_machines():
     h200 = Facts(torch="2.13", tensorrt="11.0", triton="3.9", onnxruntime="1.32",
                  gpus=[{"name": "H200", "sm": (9, 0), "memory": 141 * 1024**3}])
-    a100 = Facts(torch="2.13", tensorrt="10.8", gpus=[{"name": "A100", "sm": (8, 0), "memory": 80 * 1024**3}])
+    a100 = Facts(torch="2.13", tensorrt="10.9", gpus=[{"name": "A100", "sm": (8, 0), "memory": 80 * 1024**3}])
     r = rows(h200)
     assert r["build engines / generate --backend trt"] and r["fp8 engine on H200"] and r["bf16 engine on H200"]
     r = rows(a100)
@@ -22,7 +22,9 @@ def test_rules_for_known_machines():
     assert not r["build engines / generate --backend trt"] and r["plugin PTX (AOT, no GPU needed)"]
     assert not r["validate / generate --backend ort"]
     # TensorRT without a GPU is not enough
-    assert not rows(Facts(torch="2.13", tensorrt="10.8"))["build engines / generate --backend trt"]
+    assert not rows(Facts(torch="2.13", tensorrt="10.9"))["build engines / generate --backend trt"]
+    # below the floor (10.9: aot_impl) even with a GPU
+    assert not rows(Facts(torch="2.13", tensorrt="10.8", gpus=a100.gpus))["build engines / generate --backend trt"]
 
 
 def test_doctor_on_this_machine_reports_what_it_finds():

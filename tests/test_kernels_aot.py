@@ -151,3 +151,31 @@ def test_grid_accepts_symbolic_sizes():
     a = launch.attention_constexprs(16, 2, 256, 32, 0.0625, "bfloat16", 90)
     g = launch.attention_grid(Expr("B"), Expr("T"), a, cdiv=lambda x, y: Expr(f"cdiv({x.s},{y})"))
     assert (g[0].s, g[1].s, g[2]) == ("cdiv((T*8),64)", "(B*2)", 1)
+
+
+def _subop_variants(arch: int) -> list[aot.Variant]:
+    out = aot.moe_subop_variants(REAL, arch=arch)
+    if arch in launch.FP8_ARCHS:
+        out += [v for v in aot.moe_subop_variants(REAL, fp8=True, arch=arch) if v.key.endswith(".fp8")]
+    return out
+
+
+def test_moe_subop_variants_reuse_the_routing_and_combine_kernels():
+    """MoERoute and MoECombine are the CoresetMoE route / combine kernels with the same signature and sizes
+    (compiled by test_real_size_variants_compile); the other sub-ops are compiled below."""
+    sub = {v.key.split(".")[0]: v for v in aot.moe_subop_variants(REAL)}
+    old = {v.key.split(".")[1]: v for v in aot.moe_variants(REAL)}
+    for new, base in (("MoERoute", "route"), ("MoECombine", "combine")):
+        assert (sub[new].kernel, list(sub[new].signature.values()), sub[new].constexprs) == (
+            old[base].kernel, list(old[base].signature.values()), old[base].constexprs), new
+    assert sub["MoEAlign"].signature == {"idx": "*i32", "B": "i32", "T": "i32", "offsets": "*i32", "order": "*i32"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", launch.ARCHS)
+def test_moe_subops_compile_for_tensorrt(arch):
+    """The MoE as TensorRT AOT plugins (model.trt.onnx): align, gate_up, down (FP8 where the GPU has e4m3)."""
+    vs = [v for v in _subop_variants(arch) if not v.key.startswith(("MoERoute", "MoECombine"))]
+    assert len(vs) == (5 if arch in launch.FP8_ARCHS else 3)
+    for v in vs:
+        _check(aot.compile_variant(v, arch), v, arch)

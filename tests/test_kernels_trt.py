@@ -13,8 +13,10 @@ import importlib
 
 import pytest
 
-from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, CONTRACTS, CORESET_MOE, CORESET_MOE_FP8
+from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_GDN, CONTRACTS, CORESET_MOE, CORESET_MOE_FP8,
+                                            MOE_SUBOPS, TRT_CONTRACTS)
 from clover_export.plugins.trt import plan
+from clover_export.plugins.triton import launch
 
 GDN_SHAPES = {"mixed_qkv": (2, 64, 8192), "a": (2, 64, 32), "b": (2, 64, 32), "conv_w": (8192, 4),
               "conv_w_right": (8192, 4), "A_log": (32,), "dt_bias": (32,), "block_scale": (32,), "block_gate": (32,),
@@ -81,21 +83,97 @@ def test_aot_plans():
     p = plan.aot_plan("BlockAttention", ATT_SHAPES, ATT_ATTRS, plan.io_dtypes(BLOCK_ATTENTION, "bfloat16"), 90)
     assert p.grid == (64 * 8 // p.variant.constexprs["BLOCK_M"], 4, 1)
     assert p.scalars == (("q", 1), ("key_pool", 2)) and p.variant.constexprs["SCALE"] == 0.0625
-    for op in plan.JIT_OPS:
-        with pytest.raises(ValueError, match="JIT"):
+    for op in (CORESET_MOE.name, CORESET_MOE_FP8.name):  # not TensorRT plugins: split by trt_graph.py
+        with pytest.raises(ValueError, match="not a TensorRT plugin op"):
             plan.aot_plan(op, {}, {}, {}, 90)
-    assert set(plan.AOT_OPS) | set(plan.JIT_OPS) == set(CONTRACTS) and not set(plan.AOT_OPS) & set(plan.JIT_OPS)
+    assert set(plan.AOT_OPS) == set(TRT_CONTRACTS)
 
 
-def test_jit_ops_have_a_triton_path_taking_the_contract_arguments():
-    import inspect
+# MoE sub-op shapes of one decode step at Clover-35B-A3B sizes (B 2, T 64, E 256, k 8, D 2048, I 512)
+MOE_SHAPES = {"logits": (2, 64, 256), "idx": (2, 64, 8), "x": (2, 64, 2048), "gate_up": (256, 1024, 2048),
+              "gate_up_fp8": (256, 1024, 2048), "gate_up_scale": (256, 1024), "offsets": (257,), "order": (2, 64, 8),
+              "h": (2, 64, 8, 512), "down": (256, 2048, 512), "down_fp8": (256, 2048, 512), "down_scale": (256, 2048),
+              "w": (2, 64, 8), "y": (2, 64, 8, 2048), "routed": (2, 64, 2048), "coreset_size": (2,)}
+MOE_ATTRS = {"MoERoute": {"top_k": 8, "top_p": 0.9, "coreset": 1, "block_size": 32},
+             "MoEAlign": {"num_experts": 256}, "MoECombine": {"num_experts": 256}}
 
-    from clover_export.plugins import cuda_ops
 
-    for op in plan.JIT_OPS:
-        c = CONTRACTS[op]
-        params = list(inspect.signature(cuda_ops.kernel(op)).parameters)
-        assert params == [t.name for t in c.inputs] + [a.name for a in c.attributes], op
+def _moe_args(op):
+    c = MOE_SUBOPS[op]
+    return {t.name: MOE_SHAPES[t.name] for t in c.inputs}, MOE_ATTRS.get(op, {})
+
+
+def _plan(op, shapes=None, cdiv=launch.cdiv):
+    s, a = _moe_args(op)
+    return plan.aot_plan(op, shapes or s, a, plan.io_dtypes(MOE_SUBOPS[op], "bfloat16"), 90, cdiv=cdiv)
+
+
+def test_moe_subop_plans_and_output_shapes():
+    """Every MoE sub-op: its kernel takes exactly the contract's pointers (inputs, scalars, outputs), and its
+    declared outputs are the tensors the next sub-op reads (the chain of model.trt.onnx)."""
+    for op, c in MOE_SUBOPS.items():
+        shapes, attrs = _moe_args(op)
+        abi = launch.MOE_SUBOP_ABIS[op]
+        assert list(_plan(op).variant.signature) == ([t.name for t in c.inputs] + [s[0] for s in abi.scalars]
+                                                     + [t.name for t in c.outputs]), op
+        for d in plan.output_decls(c, shapes, attrs):
+            assert d.alias_of is None and d.shape == MOE_SHAPES[d.name], (op, d)
+    grids = {op: _plan(op).grid for op in MOE_SUBOPS}
+    assert grids["MoERoute"] == (2, 1 + (64 - 32 + 15) // 16, 1) and grids["MoEAlign"] == (1, 1, 1)
+    assert grids["MoEGateUp"] == (256, 512 // 64, 1) and grids["MoEDown"] == (256, 2048 // 64, 1)
+    assert grids["MoECombine"] == (2 * 64, 2048 // 256, 1)
+    fp8 = _plan("MoEGateUpFP8").variant
+    assert fp8.signature["gate_up_fp8"] == "*fp8e4nv" and fp8.constexprs["HAS_SCALE"] is True
+
+
+class Expr:
+    """Records the arithmetic done on a TensorRT shape expression: + - * // with the expression on the left
+    (tensorrt.plugin's SymIntExpr has no __radd__ / __rmul__, TensorRT 10.9-11.1 plugin/_tensor.py) and cdiv."""
+
+    def __init__(self, s):
+        self.s = s
+
+    def _op(self, o, sym):
+        return Expr(f"({self.s}{sym}{getattr(o, 's', o)})")
+
+    def __add__(self, o):
+        return self._op(o, "+")
+
+    def __sub__(self, o):
+        return self._op(o, "-")
+
+    def __mul__(self, o):
+        return self._op(o, "*")
+
+    def __floordiv__(self, o):
+        return self._op(o, "//")
+
+
+
+def strict_cdiv(a, b):
+    """`tensorrt.plugin.cdiv`'s contract (TensorRT 10.9-11.1, plugin/_top_level.py): ValueError on two ints."""
+    if isinstance(a, int) and isinstance(b, int):
+        raise ValueError("Both arguments cannot be 'int's")
+    return Expr(f"cdiv({getattr(a, 's', a)},{getattr(b, 's', b)})")
+
+
+def test_build_time_constants_never_reach_tensorrt_cdiv():
+    """Static shapes (a profile with fixed T) and constants (experts, hidden sizes) are divided in Python;
+    TensorRT's cdiv only ever sees a symbolic side."""
+    p = plan.aot_plan("BlockAttention", ATT_SHAPES, ATT_ATTRS, plan.io_dtypes(BLOCK_ATTENTION, "bfloat16"), 90,
+                      cdiv=strict_cdiv)
+    assert p.grid == (64 * 8 // p.variant.constexprs["BLOCK_M"], 4, 1)
+    for op in MOE_SUBOPS:
+        assert all(isinstance(g, int) for g in _plan(op, cdiv=strict_cdiv).grid), op
+    sym = {n: (Expr("B"), Expr("T"), *s[2:]) if n in ("q", "k", "v") else s for n, s in ATT_SHAPES.items()}
+    g = plan.aot_plan("BlockAttention", sym, ATT_ATTRS, plan.io_dtypes(BLOCK_ATTENTION, "bfloat16"), 90,
+                      cdiv=strict_cdiv).grid
+    assert g[0].s.startswith("cdiv((T*8),") and g[1].s == "(B*2)"
+    route = _plan("MoERoute", {"logits": (Expr("B"), Expr("T"), 256)}, strict_cdiv).grid
+    assert route[0].s == "B" and route[1].s == "(cdiv((T-32),16)+1)"
+    combine = _plan("MoECombine", {"y": (Expr("B"), Expr("T"), 8, 2048), "idx": (Expr("B"), Expr("T"), 8)},
+                    strict_cdiv).grid
+    assert combine[0].s == "(B*T)" and combine[1] == 8
 
 
 # ---------------------------------------------------------------- register.py with the real TensorRT
@@ -110,4 +188,4 @@ def test_register_with_real_tensorrt():
         pytest.skip("TensorRT is not installed on this machine")
     from clover_export.plugins.trt import register
 
-    assert set(register.register_all()) == {c.qualname for c in CONTRACTS.values()}
+    assert set(register.register_all()) == {c.qualname for c in TRT_CONTRACTS.values()}

@@ -243,9 +243,10 @@ def moe_combine_constexprs(hidden: int, num_experts: int, top_k: int) -> dict:
 
 
 def moe_subop_grid(op: str, B, T, num_experts: int, consts: dict, cdiv=cdiv) -> tuple:
-    """Grid of a MoE sub-op; B and T may be TensorRT shape expressions, everything else is a build-time int."""
+    """Grid of a MoE sub-op; B and T may be TensorRT shape expressions, everything else is a build-time int.
+    Expressions stay on the left of + - * // (tensorrt.plugin's SymIntExpr defines no reflected operators)."""
     if op == MOE_ROUTE.name:
-        return (B, 1 + cdiv(T - consts["N"], consts["BT"]), 1)
+        return (B, cdiv(T - consts["N"], consts["BT"]) + 1, 1)  # expression on the left: ShapeExpr has no __radd__
     if op == MOE_ALIGN.name:
         return (1, 1, 1)
     if op in (MOE_GATE_UP.name, MOE_GATE_UP_FP8.name):
