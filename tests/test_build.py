@@ -95,3 +95,21 @@ def test_validate_judges_an_fp8_graph_against_its_source(built):
     assert "top-1 agreement" in r.stdout and "PASSED" in r.stdout
     r = run("validate", str(out / "onnx-fp8-bf16"))
     assert r.returncode == 1 and "no bf16 kernels" in r.stderr
+
+
+@pytest.mark.slow
+def test_engine_bound_folders_carry_the_trt_graph_and_pass_check(built):
+    """`build --precision fp8` (the default): model.trt.onnx in onnx-bf16 and onnx-fp8-bf16, `check` passes."""
+    import onnx
+
+    out, _ = built
+    for folder in ("onnx-bf16", "onnx-fp8-bf16"):
+        assert (out / folder / "model.trt.onnx").exists(), folder
+        r = run("check", str(out / folder))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "TensorRT parses model.trt.onnx" in r.stdout and "clover functions left: none" in r.stdout
+    for folder in ("onnx-fp32", "onnx-fp8"):  # ONNX Runtime graphs: not engine-bound
+        assert not (out / folder / "model.trt.onnx").exists(), folder
+    ops = {n.op_type for n in onnx.load(str(out / "onnx-fp8-bf16" / "model.trt.onnx"),
+                                        load_external_data=False).graph.node if n.domain == "clover"}
+    assert ops == {"BlockGDN", "BlockAttention", "MoERoute", "MoEAlign", "MoEGateUpFP8", "MoEDownFP8", "MoECombine"}

@@ -311,3 +311,57 @@ def test_progress_monitor_never_raises(monkeypatch):
     assert m.step_complete("ok", 0) is True
     m.phase_finish("ok")
     m.phase_finish("broken")
+
+
+# ----------------------------------------------------------------- model.trt.onnx computes what model.onnx computes
+def _reference_ops():
+    """onnx.reference kernels for every TensorRT plugin op: its contract's plain-torch core (the semantics)."""
+    import importlib
+
+    from onnx.reference.op_run import OpRun
+
+    from clover_export.exporter.validate import _to_numpy, _to_torch
+
+    cast = {"int": int, "float": float, "bool": bool}
+    classes = []
+    for c in TRT_CONTRACTS.values():
+        module, fn = c.reference.split(":")
+        core = getattr(importlib.import_module(module), fn)
+
+        def _run(self, *inputs, c=c, core=core):
+            attrs = [cast[a.type](getattr(self, a.name)) for a in c.attributes]
+            with torch.no_grad():
+                out = core(*[_to_torch(x) for x in inputs], *attrs)
+            return tuple(_to_numpy(o) for o in (out if isinstance(out, tuple) else (out,)))
+
+        classes.append(type(c.name, (OpRun,), {"op_domain": NAMESPACE, "_run": _run}))
+    return classes
+
+
+@pytest.mark.slow
+def test_trt_graph_computes_what_model_onnx_computes(tiny_fp32_dir, tmp_path):
+    """The rewrite (functions dropped, each CoresetMoE split into router MatMul + five sub-ops) changes no value:
+    model.trt.onnx run by onnx.reference with each plugin op as its contract's torch core equals model.onnx
+    run by ONNX Runtime (function bodies), on the fp32 graph of the tiny model: one step, pools included."""
+    from onnx.reference import ReferenceEvaluator
+
+    from clover_export.exporter.artifact import load_artifact, ort_session
+    from clover_export.exporter.export import export
+    from clover_export.exporter.validate import _load_weights, small_step
+
+    export(tiny_fp32_dir, tmp_path / "f32", dtype="fp32", weights="link", max_batch=2)
+    art = load_artifact(tmp_path / "f32")
+    g = trt_graph(onnx.load(str(art.graph_path), load_external_data=False), art.config.num_experts)
+    assert plugin_nodes(g)["MoEGateUp"] == art.config.num_hidden_layers and not g.functions
+    _load_weights(g, art)
+    feeds, pools = small_step(art)
+    inputs = {**feeds[0], **pools}
+    want = dict(zip(art.output_names, ort_session(art, ["CPUExecutionProvider"]).run(art.output_names, inputs)))
+    got = dict(zip(art.output_names, ReferenceEvaluator(g, new_ops=_reference_ops()).run(art.output_names, inputs)))
+    for name in art.output_names:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        if want[name].dtype.kind == "i":
+            assert (got[name] == want[name]).all(), name
+        else:
+            torch.testing.assert_close(torch.from_numpy(got[name]), torch.from_numpy(want[name]), atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, n=name: f"{n}: {m}")

@@ -72,7 +72,8 @@ class TrtBackend:
 
         # one loader for build and runtime: registers the clover:: plugins, refits a weight-stripped plan
         info = manifest.get("engine_info", {})
-        self.engine = load_engine(engine_path, folder / manifest.get("graph", "model.onnx"), bool(info.get("stripped")))
+        graph = info.get("graph", manifest.get("graph", "model.onnx"))  # refit from the graph it was built from
+        self.engine = load_engine(engine_path, folder / graph, bool(info.get("stripped")))
         self.context = self.engine.create_execution_context()
         self.tensor_names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.input_dtypes = {n: self._torch_dtype(self.engine.get_tensor_dtype(n)) for n in self.tensor_names}
