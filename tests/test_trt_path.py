@@ -328,8 +328,8 @@ def _reference_ops():
         module, fn = c.reference.split(":")
         core = getattr(importlib.import_module(module), fn)
 
-        def _run(self, *inputs, c=c, core=core):
-            attrs = [cast[a.type](getattr(self, a.name)) for a in c.attributes]
+        def _run(self, *inputs, c=c, core=core, **attrs):  # onnx.reference passes the node's attributes by name
+            attrs = [cast[a.type](attrs.get(a.name, getattr(self, a.name, None))) for a in c.attributes]
             with torch.no_grad():
                 out = core(*[_to_torch(x) for x in inputs], *attrs)
             return tuple(_to_numpy(o) for o in (out if isinstance(out, tuple) else (out,)))
