@@ -12,7 +12,6 @@ about TensorRT itself.
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys

@@ -18,6 +18,13 @@ computes them; one `torch.sort` of the (token, slot) pairs by expert id and
    routing weight, one row per (token, slot) pair.
 4. `moe_combine_kernel`: each token's k rows summed in fp32.
 
+On TensorRT (`model.trt.onnx`, STEP_GRAPH.md 4) each kernel is one AOT plugin
+(contracts.MOE_SUBOPS) and the torch glue is gone: the router logits are a
+graph MatMul and `moe_align_kernel` (a stable counting sort, one program)
+gives the offsets and the order; `moe_gate_up_plain_kernel` /
+`moe_down_plain_kernel` are the unscaled kernels with exactly their
+contracts' pointer lists.
+
 Experts with no pair exit at once, so each selected expert's weights are
 read once per step (per BLOCK_M pairs). FP8 weights (e4m3, one fp32 scale per
 output channel) are widened to the activation dtype in registers; the scale
