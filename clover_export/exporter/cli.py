@@ -18,8 +18,8 @@ def _mib(n: int) -> str:
               help="Graph dtype. bf16: TensorRT / GPU; fp32: ONNX Runtime on CPU (weights converted into new files).")
 @click.option("--weights", type=click.Choice(WEIGHT_MODES), default="link", show_default=True,
               help="link: reflink / hard-link the shards (zero copy, same filesystem); map: reference the checkpoint "
-                   "in place through weights.json (zero copy, needs clover_export's ORT loader or TensorRT refit); "
-                   "copy: self-contained folder.")
+                   "in place through weights.json (zero copy, ONNX Runtime through clover_export's loader only: "
+                   "TensorRT cannot read it, so no model.trt.onnx); copy: self-contained folder.")
 @click.option("--block-size", type=int, default=None, help="Block rows per step (default: the config's block_size).")
 @click.option("--chunk", type=int, default=256, show_default=True, help="Causal rows of the prefill profile.")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch of the profiles.")
