@@ -12,6 +12,7 @@ about TensorRT itself.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -260,7 +261,7 @@ def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_ex
         engine_stage(tmp_path, out, None, BuildOptions(require_engine=True), 64, (), Stages(tmp_path),
                      BuildResult(tmp_path), logged.append)
     r = subprocess.run([sys.executable, "-m", "clover_export.cli", "doctor"], capture_output=True, text=True,
-                       env={**__import__("os").environ, "PYTHONPATH": f"{broken_tensorrt}:{Path.cwd()}"})
+                       env={**os.environ, "PYTHONPATH": f"{broken_tensorrt}:{Path(__file__).parents[1]}"})
     assert "tensorrt: installed but broken (ImportError: libnvinfer.so.10" in r.stdout, r.stdout + r.stderr
     assert "TensorRT is installed but cannot be imported" in r.stdout
 
