@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_export_ops import core_outputs, one_node_model, ort_outputs
+from test_export_ops import core_outputs, one_node_model, ort_outputs
 
 Hk, Hv, DK, DV, K, N = 1, 2, 128, 32, 4, 2  # one k-head shared by two v-heads, a short block
 TC = 256  # a full prefill chunk of causal rows
