@@ -97,6 +97,21 @@ def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=
     return {"coreset": want[1].tolist(), "plain": plain.tolist()}
 
 
+def moe_tie_case(top_p):
+    """tests/coreset_tie_case.py: the coreset boundary on fp32 rounding (assumed.coreset_mask's rule)."""
+    from clover_export.model.moe import moe_core
+    from clover_export.plugins.triton.ops import coreset_moe
+    from coreset_tie_case import KEPT, K, N, tie_case
+
+    t = tie_case()
+    want = moe_core(t["x"], t["router_w"], t["gate_up"], t["down"], K, top_p, True, N)
+    got = coreset_moe(t["x"], t["router_w"], t["gate_up"], t["down"], K, top_p, True, N)
+    assert want[1].tolist() == [KEPT[top_p]], f"reference coreset_size {want[1].tolist()}"
+    assert got[1].tolist() == want[1].tolist(), f"coreset_size {got[1].tolist()} != {want[1].tolist()}"
+    _close(got[0], want[0], "routed")
+    return {"coreset": got[1].tolist()}
+
+
 def model_case():
     """A whole tiny step through `cuda_cores` (in-place twins) and the functional ops, kernels on the CPU."""
     import torch
@@ -148,6 +163,8 @@ CASES = {
     "moe_block_only_full_p": lambda: moe_case(Tc=0, N=7, top_p=1.0, seed=4),
     "moe_ties": lambda: moe_case(ties=True, top_p=0.6, seed=5),
     "moe_fp8": lambda: moe_case(fp8=True, seed=6),
+    "moe_tie_full_p": lambda: moe_tie_case(1.0),
+    "moe_tie_p_below_1": lambda: moe_tie_case(1 - 2.0**-24),
     "model_step": model_case,
 }
 

@@ -304,6 +304,7 @@ def moe_body() -> list[onnx.NodeProto]:
     dense = b.op("ScatterElements", b.op("Mul", pb, b.f32(0.0)), top_i, top_v, axis=2)
     agg = b.sum(dense, 1)  # [B, E]
     sorted_agg, order = b.op("TopK", agg, E, axis=-1, largest=1, sorted=1, outputs=2)  # ties: lower id first
+    # the boundary rule of assumed.coreset_mask: fp32 CumSum adds one element at a time (ORT), target = top_p * total
     cum = b.op("CumSum", sorted_agg, b.const(1))
     before = b.op("CumSum", sorted_agg, b.const(1), exclusive=1)
     target = b.op("Mul", top_p, b.slice(cum, b.ints(-1), b.ints(BIG), 1))
