@@ -50,6 +50,23 @@ def gdn_case(B=2, Hk=2, Hv=4, dk=16, dv=16, K=4, N=5, Tc=19, S=3, nc=(19, 2), ch
         _close(x, y, name)
 
 
+def gdn_trained_like_case(Tc=128, chunk=32):
+    """Keys sharing a direction, slow decay, beta ~1, dk = 128 (tests/test_gdn_numerics.py): the kernel's
+    chunk inverse must not cancel (STEP_GRAPH.md 2)."""
+    from clover_export.model.gdn import gdn_core
+    from clover_export.plugins.triton.ops import block_gdn
+    from test_gdn_numerics import trained_like_case
+
+    t, a = trained_like_case(Tc=Tc, key_noise=2.5)
+    names = ("mixed_qkv", "a", "b", "conv_w", "conv_w_right", "A_log", "dt_bias", "block_scale", "block_gate")
+    args = [t[n] for n in names]
+    rest = (t["slot_ids"], t["n_causal"], a["num_k_heads"], a["head_k_dim"], a["head_v_dim"], a["block_size"])
+    want = gdn_core(*args, t["conv_pool"], t["rec_pool"], *rest)
+    got = block_gdn(*args, t["conv_pool"].clone(), t["rec_pool"].clone(), *rest, chunk=chunk, bv=32)
+    for name, x, y in zip(("o", "conv_pool", "rec_pool"), got, want):
+        _close(x, y, name)
+
+
 def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), nc=(5, 2), splits=1, seed=0):
     import torch
 
@@ -152,6 +169,7 @@ CASES = {
     "gdn_prefill_no_block": lambda: gdn_case(N=0, Tc=7, nc=(7, 3), seed=2),
     "gdn_odd_dims_chunks": lambda: gdn_case(dk=24, dv=20, Hk=1, Hv=2, K=3, N=16, Tc=33, nc=(33, 1), seed=3),
     "attention_mixed": lambda: attention_case(),
+    "gdn_trained_like": gdn_trained_like_case,
     "attention_split": lambda: attention_case(splits=3, seed=1),
     "attention_block_only": lambda: attention_case(Tc=0, nc=(0, 0), past=(0, 39), seed=2),
     "attention_no_block_overflow": lambda: attention_case(N=0, Tc=6, past=(36, 3), nc=(5, 4), splits=2, seed=3),
