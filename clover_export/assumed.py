@@ -79,8 +79,10 @@ def coreset_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     The boundary rule, one for torch, the ONNX body (`onnx_bodies.moe_body`)
     and the Triton kernel (`triton/moe.py`), so that they keep the same set
     even at exact ties (MODEL.md 5.3 step 3 made precise):
-    - A_e: fp32 sum of the positions' top-k probabilities; experts sorted by
-      A_e descending, ties to the lower id: a_0 >= a_1 >= ...;
+    - A_e: fp32 sum of the positions' top-k probabilities (the order over
+      positions is not pinned: where those sums round, implementations may
+      differ by an ulp before the rule applies); experts sorted by A_e
+      descending, ties to the lower id: a_0 >= a_1 >= ...;
     - c_r = fl32(c_{r-1} + a_r): the fp32 running sum in that order, one
       rounding per addition (no wider accumulator, no tree);
     - target = fl32(fl32(top_p) * c_{E-1}) (the total is that same sum);

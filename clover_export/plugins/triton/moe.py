@@ -121,7 +121,7 @@ def moe_route_kernel(logits_ptr, T, idx_ptr, w_ptr, distinct_ptr,
                 # the boundary rule of assumed.coreset_mask: fp32 running sum, one rounding per addition
                 # (tl.cumsum's scan rounds in another order), target = top_p * its last value
                 cum = tl.zeros([EP], dtype=tl.float32)
-                run = tl.sum(cum, axis=0)
+                run = tl.sum(cum, axis=0)  # 0.0 as an fp32 scalar
                 for r in range(E):
                     run += tl.sum(tl.where(e_idx == r, sval, 0.0), axis=0)
                     cum = tl.where(e_idx == r, run, cum)
