@@ -75,6 +75,20 @@ def coreset_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     Returns bool [B, E]: the shortest prefix of experts sorted by aggregated
     top-k probability (ties: lower id first) whose cumulative sum reaches
     top_p of the total; always at least one expert.
+
+    The boundary rule, one for torch, the ONNX body (`onnx_bodies.moe_body`)
+    and the Triton kernel (`triton/moe.py`), so that they keep the same set
+    even at exact ties (MODEL.md 5.3 step 3 made precise):
+    - A_e: fp32 sum of the positions' top-k probabilities (the order over
+      positions is not pinned: where those sums round, implementations may
+      differ by an ulp before the rule applies); experts sorted by A_e
+      descending, ties to the lower id: a_0 >= a_1 >= ...;
+    - c_r = fl32(c_{r-1} + a_r): the fp32 running sum in that order, one
+      rounding per addition (no wider accumulator, no tree);
+    - target = fl32(fl32(top_p) * c_{E-1}) (the total is that same sum);
+    - sorted position r is kept iff r = 0 or c_{r-1} < target;
+    - top_p >= 1 also keeps every expert with A_e > 0: fp32 sums absorb tiny
+      masses, and with top_p = 1 routing must equal plain top-k.
     """
     B, N, E = probs.shape
     top_vals, top_idx = stable_topk(probs, top_k)
@@ -82,14 +96,19 @@ def coreset_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     agg = agg.scatter_add(1, top_idx.reshape(B, N * top_k), top_vals.reshape(B, N * top_k).float())
     order = stable_argsort_desc(agg)  # [B, E]
     sorted_agg = torch.gather(agg, 1, order)
-    cum = torch.cumsum(sorted_agg, dim=1)
-    # The total is the same fp32 running sum taken in sorted order, so that
-    # top_p = 1.0 stops exactly at the last expert with non-zero mass.
+    cum = fp32_running_sum(sorted_agg)
     target = top_p * cum[:, -1:]
     # keep sorted position r iff the prefix strictly before it is below the target
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
     keep_sorted = (before < target) | (torch.arange(E, device=probs.device) == 0)
     if top_p >= 1.0:
-        # fp32 sums absorb tiny masses; top_p = 1.0 must keep every expert some position chose (routing = plain top-k)
         keep_sorted = keep_sorted | (sorted_agg > 0)
     return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+
+def fp32_running_sum(x: torch.Tensor) -> torch.Tensor:
+    """c_r = fl32(c_{r-1} + x_r) along the last dim (fp32 x). torch.cumsum accumulates in double on the CPU
+    and by a parallel scan on CUDA; numpy's `add.accumulate` adds one element at a time in the array's dtype."""
+    import numpy as np
+
+    return torch.from_numpy(np.add.accumulate(x.detach().float().cpu().numpy(), axis=-1)).to(x.device)

@@ -108,11 +108,11 @@ def coreset(probs: list[torch.Tensor], k: int, top_p: float) -> list[int]:
     order = order_desc([float(a) for a in A])
     if top_p >= 1.0:  # "with top_p = 1.0 routing equals plain top-k": every expert some position chose
         return [e for e in order if float(A[e]) > 0] or order[:1]
-    prefix = []  # fp32 prefix sums in the sorted order: the running sum kept in float64, rounded to fp32
-    running = 0.0
+    prefix = []  # fp32 prefix sums in the sorted order, one fp32 rounding per addition (assumed.coreset_mask)
+    running = torch.zeros((), dtype=F32)
     for e in order:
-        running += float(A[e])
-        prefix.append(torch.tensor(running, dtype=torch.float64).to(F32))
+        running = running + A[e].to(F32)
+        prefix.append(running)
     target = torch.tensor(top_p, dtype=F32) * prefix[-1]  # sum_e A_e: the same sum, in the same order
     kept: list[int] = []
     for r, e in enumerate(order):

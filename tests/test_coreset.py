@@ -94,14 +94,31 @@ def test_coreset_ties_go_to_the_lower_id():
 def test_target_exactly_on_a_prefix_sum():
     """A_1 = A_2 + A_0 exactly, so top_p = 0.5 puts the target on the first prefix sum.
 
-    The decision then rests on how the fp32 prefix sums are accumulated: the
-    float64-accumulated, fp32-rounded sums (torch's CPU cumsum) keep {1}; a
-    plain fp32 accumulator (sum rounded up by one ulp) would keep {1, 2}.
-    This pins the convention (found by the property test above).
+    The decision then rests on how the fp32 prefix sums are accumulated. The
+    rule (assumed.coreset_mask) is one fp32 rounding per addition, which ONNX's
+    CumSum and the Triton kernel can follow: the total comes out one ulp above
+    A_0 + A_1 + A_2, the target above the first prefix sum, and {1, 2} is kept.
+    torch's CPU cumsum (float64 accumulator, fp32-rounded outputs) would keep {1}.
     """
     probs = torch.tensor([[[0.2771241069, 0.3614379764, 0.3614379764], [1 / 3, 1 / 3, 1 / 3]]])
-    assert kept_ids(coreset_mask(probs, 2, 0.5)[0]) == {1}
-    assert literal_coreset(list(probs[0]), 2, 0.5) == [1]
+    assert kept_ids(coreset_mask(probs, 2, 0.5)[0]) == {1, 2}
+    assert literal_coreset(list(probs[0]), 2, 0.5) == [1, 2]
+
+
+def test_running_sum_rounds_once_per_addition():
+    """Hand-computed: A = [1, 2^-24, 2^-24, 2^-24]. One fp32 rounding per addition absorbs every 2^-24
+    (1 + 2^-24 is a tie, rounded to even 1), so the total is 1 and, at top_p = 1 - 2^-24, the target
+    1 - 2^-24 is already reached by expert 0 alone. A wider accumulator would reach 1 + 2^-22, a target
+    of 1 + 2^-23, and keep {0, 1, 2}. top_p = 1 keeps every expert with mass (plain top-k)."""
+    probs = torch.zeros(1, 4, 4)
+    probs[0, 0, 0] = 1.0
+    for j in (1, 2, 3):
+        probs[0, j, j] = 2.0**-24
+    top_p = float(np.float32(1 - 2.0**-24))
+    assert kept_ids(coreset_mask(probs, 1, top_p)[0]) == {0}
+    assert literal_coreset(list(probs[0]), 1, top_p) == [0]
+    assert kept_ids(coreset_mask(probs, 1, 1.0)[0]) == {0, 1, 2, 3}
+    assert kept_ids(coreset_mask(probs, 1, 0.5)[0]) == {0}
 
 
 def test_top_p_one_keeps_experts_with_tiny_mass():

@@ -50,6 +50,23 @@ def gdn_case(B=2, Hk=2, Hv=4, dk=16, dv=16, K=4, N=5, Tc=19, S=3, nc=(19, 2), ch
         _close(x, y, name)
 
 
+def gdn_trained_like_case(Tc=128, chunk=32):
+    """Keys sharing a direction, slow decay, beta ~1, dk = 128 (tests/test_gdn_numerics.py): the kernel's
+    chunk inverse must not cancel (STEP_GRAPH.md 2)."""
+    from clover_export.model.gdn import gdn_core
+    from clover_export.plugins.triton.ops import block_gdn
+    from test_gdn_numerics import trained_like_case
+
+    t, a = trained_like_case(Tc=Tc, key_noise=2.5)
+    names = ("mixed_qkv", "a", "b", "conv_w", "conv_w_right", "A_log", "dt_bias", "block_scale", "block_gate")
+    args = [t[n] for n in names]
+    rest = (t["slot_ids"], t["n_causal"], a["num_k_heads"], a["head_k_dim"], a["head_v_dim"], a["block_size"])
+    want = gdn_core(*args, t["conv_pool"], t["rec_pool"], *rest)
+    got = block_gdn(*args, t["conv_pool"].clone(), t["rec_pool"].clone(), *rest, chunk=chunk, bv=32)
+    for name, x, y in zip(("o", "conv_pool", "rec_pool"), got, want):
+        _close(x, y, name)
+
+
 def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), nc=(5, 2), splits=1, seed=0):
     import torch
 
@@ -97,6 +114,21 @@ def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=
     return {"coreset": want[1].tolist(), "plain": plain.tolist()}
 
 
+def moe_tie_case(top_p):
+    """tests/coreset_tie_case.py: the coreset boundary on fp32 rounding (assumed.coreset_mask's rule)."""
+    from clover_export.model.moe import moe_core
+    from clover_export.plugins.triton.ops import coreset_moe
+    from coreset_tie_case import KEPT, K, N, tie_case
+
+    t = tie_case()
+    want = moe_core(t["x"], t["router_w"], t["gate_up"], t["down"], K, top_p, True, N)
+    got = coreset_moe(t["x"], t["router_w"], t["gate_up"], t["down"], K, top_p, True, N)
+    assert want[1].tolist() == [KEPT[top_p]], f"reference coreset_size {want[1].tolist()}"
+    assert got[1].tolist() == want[1].tolist(), f"coreset_size {got[1].tolist()} != {want[1].tolist()}"
+    _close(got[0], want[0], "routed")
+    return {"coreset": got[1].tolist()}
+
+
 def model_case():
     """A whole tiny step through `cuda_cores` (in-place twins) and the functional ops, kernels on the CPU."""
     import torch
@@ -137,6 +169,7 @@ CASES = {
     "gdn_prefill_no_block": lambda: gdn_case(N=0, Tc=7, nc=(7, 3), seed=2),
     "gdn_odd_dims_chunks": lambda: gdn_case(dk=24, dv=20, Hk=1, Hv=2, K=3, N=16, Tc=33, nc=(33, 1), seed=3),
     "attention_mixed": lambda: attention_case(),
+    "gdn_trained_like": gdn_trained_like_case,
     "attention_split": lambda: attention_case(splits=3, seed=1),
     "attention_block_only": lambda: attention_case(Tc=0, nc=(0, 0), past=(0, 39), seed=2),
     "attention_no_block_overflow": lambda: attention_case(N=0, Tc=6, past=(36, 3), nc=(5, 4), splits=2, seed=3),
@@ -148,6 +181,8 @@ CASES = {
     "moe_block_only_full_p": lambda: moe_case(Tc=0, N=7, top_p=1.0, seed=4),
     "moe_ties": lambda: moe_case(ties=True, top_p=0.6, seed=5),
     "moe_fp8": lambda: moe_case(fp8=True, seed=6),
+    "moe_tie_full_p": lambda: moe_tie_case(1.0),
+    "moe_tie_p_below_1": lambda: moe_tie_case(1 - 2.0**-24),
     "model_step": model_case,
 }
 

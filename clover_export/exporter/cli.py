@@ -86,7 +86,8 @@ def check_cmd(folder, verbose):
               help="Also run one small step with onnx.reference (default: for bf16 graphs).")
 def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator):
     """Run FOLDER's graph in ONNX Runtime (and onnx.reference for bf16) against the reference model on
-    the same inputs: prefill chunks, a commit folded with a block, block-only steps, batch rows in
+    the same inputs, at the shapes the graph runs with: a full prefill chunk (the export's --chunk causal
+    rows) and the profiles' largest batch, a commit folded with a block, block-only steps, batch rows in
     different phases and cached lengths, cache pools carried between steps. Reports per-output max
     abs / relative error against tolerances; exit status 1 on any failure.
 

@@ -5,9 +5,11 @@ Running and judging are separate (Polygraphy's habit): every runner
 its own cache pools carried from step to step, as a runtime would; then each
 output of each step is compared with the reference model's.
 
-Scenario (2 batch rows in slots 2 and 0 of a 3-slot pool): a prefill chunk
-(one row folds its last chunk with a block), a prefill chunk + block next
-to a block-only row, commits folded with the next block, a step with no
+Scenario, at the shapes the graph runs with (STEP_GRAPH.md 2): as many
+batch rows as the profiles allow (slots in descending order, one slot
+owned by no row), a full prefill chunk (the manifest's `chunk` causal rows;
+odd rows fold a shorter last chunk with a block), a prefill chunk + block
+next to a block-only row, commits folded with the next block, a step with no
 causal rows at all (T = block_size), and rows in different phases.
 `onnx.reference` (slow; bf16 graphs) plays one small step (`small_step`).
 
@@ -43,7 +45,14 @@ from clover_export import names
 from clover_export.errors import CloverError
 from clover_export.exporter.artifact import Artifact, load_artifact, ort_session
 
-FP32_TOLERANCE = 1e-4  # max abs error of fp32 graphs (STEP_GRAPH.md: the function bodies reproduce the cores within 1e-4)
+# max abs error of fp32 graphs, relative to the output's scale once that exceeds 1. The function bodies reproduce
+# the cores within 1e-4 (tests/test_export_ops.py), but a whole step at the shapes the graph runs with (8 rows x
+# 256 causal rows, trained tiny) is not that exact in fp32 even for the reference model: there its own max error
+# against an evaluation with the GDN recurrence and linears in float64 reached 0.9e-4 (present.3.key) and
+# 2.2e-4 (present.7.key) of scale (the gated norm amplifies near-zero GDN outputs, see the bf16 note below),
+# and ONNX Runtime's 1.2e-4 and 1.8e-4. 5e-4 is ~2x the reference model's own error; a defective body
+# (the product-series inverse on trained-like layers) is off by orders of magnitude.
+FP32_TOLERANCE = 5e-4
 BF16_FLOOR = 1e-2
 # independent input draws of a bf16 runner's scenario; per step the median draw's worst output decides
 # (module docstring). Measured with onnx.reference on the trained tiny's small step (41 draws): a correct
@@ -51,8 +60,13 @@ BF16_FLOOR = 1e-2
 # routing flips, up to 3.5 here and 6.9 in another draw set); with rms_norm's fp32 casts dropped it sits
 # above 1 on 98% of draws (median 1.84). A median of 8 fails a correct graph only if 4 of 8 draws flip.
 BF16_DRAWS = 8
-SLOTS = (2, 0)  # slot of each batch row
-NUM_SLOTS = 3
+NUM_SLOTS = 3  # pool slots of the default 2-row scenario (rows in slots 2 and 0; slot 1 must stay untouched)
+
+
+def slots_for(batch: int) -> list[int]:
+    """Slot of each batch row in a pool of batch + 1 slots: descending, slot 1 left out (a graph that
+    writes a slot no row owns, or reads slots in row order, shows up). 2 rows: slots 2 and 0."""
+    return [s for s in range(batch, -1, -1) if s != 1]
 
 
 @dataclass
@@ -62,16 +76,25 @@ class StepPlan:
     rows: list[tuple[int, int]]  # per batch row: (n_causal, has_block)
 
 
-def scenario(block_size: int, chunk: int) -> list[StepPlan]:
-    N = block_size
-    c = min(chunk, 12)
-    return [
-        StepPlan("prefill chunk; row 1 folds its last chunk with a block", c, [(c, 0), (c - 5, 1)]),
-        StepPlan("prefill + block | block only", N, [(N - 3, 1), (0, 1)]),
-        StepPlan("commit folded with the next block (both rows)", N, [(N, 1), (N, 1)]),
-        StepPlan("block only, no causal rows (T = block_size)", 0, [(0, 1), (0, 1)]),
-        StepPlan("block only | commit + block", N, [(0, 1), (N, 1)]),
+def scenario(block_size: int, chunk: int, batch: int = 2) -> list[StepPlan]:
+    """The steps validate plays, at the shapes the graph runs with (STEP_GRAPH.md 2: a full prefill chunk of
+    `chunk` causal rows, and `batch` rows, the profiles' largest). Per-row patterns repeat over the rows."""
+    N, c = block_size, chunk
+    steps = [
+        ("full prefill chunk; odd rows fold a shorter last chunk with a block", c, [(c, 0), (max(c - 5, 0), 1)]),
+        ("prefill + block | block only", N, [(N - 3, 1), (0, 1)]),
+        ("commit folded with the next block (all rows)", N, [(N, 1), (N, 1)]),
+        ("block only, no causal rows (T = block_size)", 0, [(0, 1), (0, 1)]),
+        ("block only | commit + block", N, [(0, 1), (N, 1)]),
     ]
+    return [StepPlan(name, C, [rows[i % 2] for i in range(batch)]) for name, C, rows in steps]
+
+
+def profile_batch(art: Artifact) -> int:
+    """The largest batch any optimisation profile of the manifest allows (export.profiles)."""
+    from clover_export.exporter.trace import BATCH
+
+    return max(int(p["dims"][BATCH][2]) for p in art.manifest["profiles"])
 
 
 def make_feeds(plans: list[StepPlan], cfg, block_size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -88,7 +111,7 @@ def make_feeds(plans: list[StepPlan], cfg, block_size: int, seed: int = 0) -> li
             names.INPUT_IDS: ids.astype(np.int32),
             names.N_CAUSAL: np.array([r[0] for r in p.rows], np.int32),
             names.HAS_BLOCK: np.array([r[1] for r in p.rows], np.int32),
-            names.SLOT_IDS: np.array(SLOTS[:B], np.int32),
+            names.SLOT_IDS: np.array(slots_for(B), np.int32),
             names.PAST_LEN: np.array(past, np.int32),
         })
         past = [a + r[0] for a, r in zip(past, p.rows)]
@@ -338,8 +361,8 @@ def compare(runner: str, results: list[dict], reference: list[dict], tolerance) 
 
 
 def fp32_tolerance(step, name, ref) -> float:
-    """1e-4, relative to the output's scale once that exceeds 1 (trained logits reach tens: fp32
-    rounding of a different summation order alone is ~1e-5 of the scale)."""
+    """FP32_TOLERANCE, relative to the output's scale once that exceeds 1 (trained logits reach tens: fp32
+    rounding of a different summation order alone is ~1e-5 of the scale, more over long steps)."""
     return FP32_TOLERANCE * max(1.0, float(np.abs(ref).max()) if ref.size else 0.0)
 
 
@@ -365,7 +388,8 @@ def validate(folder: str | Path, steps: int | None = None, save_io: str | Path |
 
     art = load_artifact(folder)
     bf16 = art.dtype == "bf16"
-    plans = scenario(art.block_size, art.chunk)[:steps]
+    batch = profile_batch(art)
+    plans = scenario(art.block_size, art.chunk, batch)[:steps]
     if not plans:
         raise CloverError("validate", "--steps must be at least 1")
     rep = ValidationReport(steps=[p.name for p in plans])
@@ -412,7 +436,7 @@ def validate(folder: str | Path, steps: int | None = None, save_io: str | Path |
 
     def scenario_inputs(draw: int):
         return (make_feeds(plans, art.config, art.block_size, seed=2 * draw),
-                initial_pools(art, NUM_SLOTS, pool_len(plans, art.block_size), seed=2 * draw + 1))
+                initial_pools(art, batch + 1, pool_len(plans, art.block_size), seed=2 * draw + 1))
 
     feeds, pools = scenario_inputs(0)
     results = {}

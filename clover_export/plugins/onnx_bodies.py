@@ -8,8 +8,9 @@ batch, slot count and pool length work.
 
 Where the torch core uses something ONNX lacks:
 - `solve_triangular` of the chunked delta rule: (I + A)^-1 for A strictly
-  lower-triangular 64 x 64 is (I - A)(I + A^2)(I + A^4)...(I + A^32) (A is
-  nilpotent); the chunk-to-chunk state recurrence is a `Scan`.
+  lower-triangular 64 x 64 by a blocked triangular inverse (`unit_lower_inverse`;
+  not the nilpotent product series, STEP_GRAPH.md 2); the chunk-to-chunk state
+  recurrence is a `Scan`.
 - depthwise convs: a window `Gather` (rows t .. t+K-1) times the taps,
   summed over the taps; the channel count is only known from the input
   shape, and Conv's `group` must be a literal.
@@ -157,12 +158,7 @@ def delta_rule(b: Body, q, k, v, beta, g, s0, tc_s):
     k_beta = b.op("Mul", k, b.unsq(beta, 4))
     kT = b.t(k, (0, 1, 2, 4, 3))
     A = b.op("Where", strict, b.op("Mul", b.op("MatMul", k_beta, kT), decay), b.f32(0.0))
-    eye = b.const(np.eye(CHUNK, dtype=np.float32), np.float32)
-    inv = b.op("Sub", eye, A)  # (I + A)^-1 = (I - A) prod_i (I + A^(2^i)), i = 1..log2(CHUNK)-1
-    power = A
-    for _ in range(int(np.log2(CHUNK)) - 1):
-        power = b.op("MatMul", power, power)
-        inv = b.op("MatMul", inv, b.op("Add", eye, power))
+    inv = unit_lower_inverse(b, A, CHUNK)
     eg = b.op("Exp", G)
     u = b.op("MatMul", inv, b.op("Mul", v, b.unsq(beta, 4)))
     w = b.op("MatMul", inv, b.op("Mul", k_beta, b.unsq(eg, 4)))
@@ -188,6 +184,34 @@ def delta_rule(b: Body, q, k, v, beta, g, s0, tc_s):
     o = b.op("Reshape", o, b.cat(b.ints(0, 0, -1), b.dim(o, -1)))
     o = b.t(b.rows(o, None, b.vec(tc_s), axis=2), (0, 2, 1, 3))
     return o, S_fin
+
+
+def unit_lower_inverse(b: Body, A: str, n: int) -> str:
+    """(I + A)^-1 for A [B, H, c, n, n] strictly lower-triangular, n a power of two.
+
+    Blocked triangular inverse (STEP_GRAPH.md 2, the scheme of flash-linear-attention's
+    `solve_tril`), doubling the block size from 1: the inverse of [[L11, 0], [A21, L22]] is
+    [[X11, 0], [-X22 A21 X11, X22]] with X = L^-1. Every factor stays bounded (|A_ts| <= 1),
+    so fp32 loses no more than substitution; the product series (I - A)(I + A^2)... instead
+    builds A^32 and cancels catastrophically once keys agree and decay is slow.
+    """
+    X = b.const(np.ones((1, 1, 1, n, 1, 1), dtype=np.float32), np.float32)  # n diagonal 1x1 blocks
+    X = b.op("Expand", X, b.cat(b.op("Shape", A, start=0, end=3), b.ints(n, 1, 1)))
+    s = 1
+    while s < n:
+        m = n // (2 * s)  # blocks of size 2s
+        # the m diagonal 2s x 2s blocks of A: [B, H, c, m, 2s, m, 2s] masked to equal block indices, summed
+        a7 = b.op("Reshape", A, b.ints(0, 0, 0, m, 2 * s, m, 2 * s))
+        same = b.const(np.eye(m, dtype=np.float32).reshape(m, 1, m, 1), np.float32)
+        diag = b.sum(b.op("Mul", a7, same), 5)  # [B, H, c, m, 2s, 2s]
+        a21 = b.slice(b.slice(diag, b.ints(s), b.ints(2 * s), 4), b.ints(0), b.ints(s), 5)
+        pairs = b.op("Reshape", X, b.ints(0, 0, 0, m, 2, s, s))
+        x11, x22 = (b.op("Squeeze", b.slice(pairs, b.ints(i), b.ints(i + 1), 4), b.ints(4)) for i in (0, 1))
+        x21 = b.op("Neg", b.op("MatMul", b.op("MatMul", x22, a21), x11))
+        zeros = b.op("ConstantOfShape", b.op("Shape", x11))
+        X = b.cat(b.cat(x11, zeros, axis=5), b.cat(x21, x22, axis=5), axis=4)  # [B, H, c, m, 2s, 2s]
+        s *= 2
+    return b.op("Reshape", X, b.ints(0, 0, 0, n, n))
 
 
 def block_mixer(b: Body, q, k, v, beta, g, s0, dk):
@@ -280,6 +304,7 @@ def moe_body() -> list[onnx.NodeProto]:
     dense = b.op("ScatterElements", b.op("Mul", pb, b.f32(0.0)), top_i, top_v, axis=2)
     agg = b.sum(dense, 1)  # [B, E]
     sorted_agg, order = b.op("TopK", agg, E, axis=-1, largest=1, sorted=1, outputs=2)  # ties: lower id first
+    # the boundary rule of assumed.coreset_mask: fp32 CumSum adds one element at a time (ORT), target = top_p * total
     cum = b.op("CumSum", sorted_agg, b.const(1))
     before = b.op("CumSum", sorted_agg, b.const(1), exclusive=1)
     target = b.op("Mul", top_p, b.slice(cum, b.ints(-1), b.ints(BIG), 1))

@@ -10,8 +10,8 @@ for each v-head and dv tile:
 - causal rows, in chunks of CC rows: causal conv from the slot's conv state,
   SiLU (model-dtype rounding as upstream), L2-normalised q/k, beta, g, then
   the chunked gated delta rule in WY form; (I + A)^-1 for the strictly lower
-  triangular A is applied as the product (I - A)(I + A^2)(I + A^4)... (A is
-  nilpotent), all with `tl.dot`;
+  triangular A is applied by forward substitution over the chunk's rows
+  (not the nilpotent product series, STEP_GRAPH.md 2), the rest with `tl.dot`;
 - block rows: the [assumed] block mixer of MODEL.md 5.2 in fp32 (causal +
   anti-causal conv, prefix read-out, innovation, block softmax, gate) from
   the state after the causal rows; block rows write nothing;
@@ -175,11 +175,11 @@ def block_gdn_kernel(
                 kS = tl.dot(k, S, input_precision=DOT_PREC)
                 # v_new = (I + A)^-1 beta (v - exp(G) k S)
                 x = beta[:, None] * (v - tl.exp(G)[:, None] * kS)
-                x = x - tl.dot(A, x, input_precision=DOT_PREC)
-                P = tl.dot(A, A, input_precision=DOT_PREC)
-                for _ in range(LOG2_CC - 1):
-                    x = x + tl.dot(P, x, input_precision=DOT_PREC)
-                    P = tl.dot(P, P, input_precision=DOT_PREC)
+                # forward substitution, row by row: x_i -= A[i, :i] x[:i] (STEP_GRAPH.md 2: the product
+                # series (I - A)(I + A^2)... cancels catastrophically once keys agree and decay is slow)
+                for i in range(1, CC):
+                    a_i = tl.sum(tl.where(rr[:, None] == i, A, 0.0), axis=0)  # row i of A: zero from column i
+                    x = tl.where(rr[:, None] == i, x - tl.sum(a_i[:, None] * x, axis=0)[None, :], x)
                 qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * decay
                 o = (tl.dot(q * tl.exp(G)[:, None], S, input_precision=DOT_PREC)
                      + tl.dot(qk, x, input_precision=DOT_PREC))

@@ -125,9 +125,17 @@ def moe_route_kernel(logits_ptr, T, idx_ptr, w_ptr, distinct_ptr,
                 srt = tl.sort(key, descending=True)
                 sval = (srt >> 32).to(tl.int32).to(tl.float32, bitcast=True)
                 sval = tl.where(srt >= 0, sval, 0.0)
-                cum = tl.cumsum(sval, axis=0)
-                target = TOP_P * tl.max(cum, axis=0)
+                # the boundary rule of assumed.coreset_mask: fp32 running sum, one rounding per addition
+                # (tl.cumsum's scan rounds in another order), target = top_p * its last value
+                cum = tl.zeros([EP], dtype=tl.float32)
+                run = tl.sum(cum, axis=0)  # 0.0 as an fp32 scalar
+                for r in range(E):
+                    run += tl.sum(tl.where(e_idx == r, sval, 0.0), axis=0)
+                    cum = tl.where(e_idx == r, run, cum)
+                target = TOP_P * run
                 n_keep = tl.minimum(1 + tl.sum(tl.where((cum < target) & (e_idx < E - 1), 1, 0), axis=0), E)
+                if TOP_P >= 1.0:  # every expert with mass stays (routing = plain top-k)
+                    n_keep = tl.maximum(n_keep, tl.sum(tl.where(sval > 0.0, 1, 0), axis=0))
                 key_last = tl.sum(tl.where(e_idx == n_keep - 1, srt, 0), axis=0)
                 keep = (key >= key_last) & e_ok
                 _, _, chosen = _route_rows(logits_ptr, idx_ptr, w_ptr, row0 + Tc, rb, rb_ok, e_idx, e_ok, keep,
