@@ -314,13 +314,13 @@ def test_failing_write_leaves_nothing_half_written(tiny_fp32_dir, tmp_path, monk
 
     monkeypatch.setattr(W, "copy_file", disk_full)
     with pytest.raises(CloverError, match="No space left on device") as e:
-        export(tiny_fp32_dir, out, dtype="fp32", weights="copy")
+        export(tiny_fp32_dir, out, dtype="fp32", weights="copy", force=True)
     assert "nothing was written" in str(e.value)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # the earlier export is intact
     assert (out / "manifest.json").read_text() == manifest
     assert not leftovers(tmp_path, "out")
     monkeypatch.undo()
-    export(tiny_fp32_dir, out, dtype="fp32", weights="copy")  # re-running into the same folder is fine
+    export(tiny_fp32_dir, out, dtype="fp32", weights="copy", force=True)  # --force replaces an earlier export
     assert json.loads((out / "manifest.json").read_text())["weights"]["mode"] == "copy"
 
 
