@@ -5,9 +5,11 @@ it). Only the first is measured, so the second must be the same graph up to dtyp
   - the same nodes in the same order, with the same attributes and the same wiring, once Cast nodes
     (the only dtype-dependent ops the exporter and the FP8 rewrite add) are looked through;
   - the same graph inputs and outputs (names and shapes; float dtypes may differ);
-  - the same initializer names and shapes; fp32 initializers of both graphs (weight scales, activation
-    scales, constants) bit-equal, or equal after rounding to bf16 where one graph holds them in bf16;
-    the e4m3 weights byte-equal (read from both folders' fp8 weight files);
+  - inline initializers (weight scales, activation scales, constants) compared by value where the nodes
+    use them: bit-equal, or equal after rounding to bf16 where one graph holds them in bf16 (their names
+    follow activation names, which differ between the twins);
+  - the same external initializers (weights) by name and shape; the e4m3 ones byte-equal, read from
+    both folders' FP8 weight files (whole up to FULL_COMPARE_BYTES, else both ends of each tensor);
   - the same model-local functions (the custom ops' bodies), node for node.
 """
 
@@ -42,52 +44,87 @@ class TwinReport:
                 f"{self.fp8_bytes_compared / 2**20:.1f} MiB of e4m3 weights byte-equal")
 
 
-def _attr_key(a: onnx.AttributeProto):
-    """An attribute, dtype-blind: a tensor value compares as float64 rounded to bf16, `to` of a Cast is dropped."""
+def _attr_key(a: onnx.AttributeProto, alias: dict, where: dict):
+    """An attribute, dtype-blind: a tensor value compares rounded to bf16; a subgraph (Loop/Scan/If body)
+    compares canonically, with names it takes from the enclosing graph resolved as there."""
+    if a.ref_attr_name:  # a function body's reference to the caller's attribute
+        return (a.name, "ref", a.ref_attr_name)
     v = helper.get_attribute_value(a)
     if isinstance(v, onnx.TensorProto):
         arr = numpy_helper.to_array(v)
         return (a.name, tuple(arr.shape), _bf16(arr).tobytes() if arr.dtype.kind == "f" else arr.tobytes())
-    if isinstance(v, (onnx.GraphProto, list)) and v and isinstance(v[0] if isinstance(v, list) else v, onnx.GraphProto):
-        raise CloverError("fp8", f"attribute {a.name}: subgraphs are not compared")
+    if isinstance(v, onnx.GraphProto):
+        return (a.name, "graph", _canonical_graph(v, alias, where))
     if isinstance(v, list):
+        if v and isinstance(v[0], onnx.GraphProto):
+            return (a.name, "graphs", tuple(_canonical_graph(g, alias, where) for g in v))
         return (a.name, tuple(x.decode() if isinstance(x, bytes) else x for x in v))
     return (a.name, v.decode() if isinstance(v, bytes) else v)
+
+
+def _canonical_graph(g: onnx.GraphProto, alias: dict, where: dict) -> tuple:
+    inner = {**where, **{x.name: ("in", k) for k, x in enumerate(g.input)}}
+    nodes, inner_where = _canonical(g.node, dict(alias), inner)
+    outs = tuple(inner_where.get(alias.get(o.name, o.name), o.name) for o in g.output)
+    return tuple(n[:4] for n in nodes), outs
 
 
 def _bf16(arr: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even to bf16, kept as the upper 16 bits of float32 (exact for bf16 inputs)."""
     import torch
 
-    t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    t = torch.from_numpy(np.array(arr, dtype=np.float32))
     return t.to(torch.bfloat16).view(torch.int16).numpy()
 
 
-def canonical_nodes(nodes) -> list[tuple]:
+def canonical_nodes(nodes, consts: dict | None = None) -> list[tuple]:
     """Each non-Cast node as (domain, op_type, attributes, inputs, name); an input that is a node output becomes
-    (index of its producer among the kept nodes, output position), a Cast's output its Cast's input."""
-    alias: dict[str, str] = {}
-    where: dict[str, tuple[int, int]] = {}
+    (index of its producer among the kept nodes, output position), a Cast's output its Cast's input, and an
+    inline initializer its value (`consts`: name -> key; their names follow activation names, which differ)."""
+    return _canonical(nodes, {}, dict(consts or {}))[0]
+
+
+def _const_key(t: onnx.TensorProto) -> tuple:
+    if t.data_type == TensorProto.BFLOAT16:
+        raw = np.frombuffer(t.raw_data, np.int16) if t.raw_data else np.array(t.int32_data, np.int32).astype(np.int16)
+        return ("const", "bf16", tuple(t.dims), raw.tobytes())
+    arr = numpy_helper.to_array(t)
+    return ("const", str(arr.dtype), tuple(t.dims), arr.tobytes())
+
+
+def _same_input(x, y) -> bool:
+    """Equal wiring; an fp32 constant matches a bf16 one that is its bf16 rounding."""
+    if x == y:
+        return True
+    if not (isinstance(x, tuple) and isinstance(y, tuple) and x[:1] == y[:1] == ("const",) and x[2] == y[2]):
+        return False
+    (f, fb), (b, bb) = sorted([(x[1], x[3]), (y[1], y[3])], key=lambda p: p[0] == "bf16")
+    return f == "float32" and b == "bf16" and _bf16(np.frombuffer(fb, np.float32)).tobytes() == bb
+
+
+def _same_node(x, y) -> bool:
+    return x[:3] == y[:3] and len(x[3]) == len(y[3]) and all(map(_same_input, x[3], y[3]))
+
+
+def _canonical(nodes, alias: dict, where: dict) -> tuple[list[tuple], dict]:
+    where = dict(where)
     out = []
     for node in nodes:
         if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
             alias[node.output[0]] = alias.get(node.input[0], node.input[0])
             continue
-        ins = []
-        for x in node.input:
-            x = alias.get(x, x)
-            ins.append(where.get(x, x))
-        attrs = tuple(sorted(_attr_key(a) for a in node.attribute))
+        ins = tuple(where.get(alias.get(x, x), alias.get(x, x)) for x in node.input)
+        attrs = tuple(sorted((_attr_key(a, alias, where) for a in node.attribute), key=repr))
         for j, o in enumerate(node.output):
             where[o] = (len(out), j)
-        out.append((node.domain, node.op_type, attrs, tuple(ins), node.name or f"#{len(out)}"))
-    return out
+        out.append((node.domain, node.op_type, attrs, ins, node.name or f"#{len(out)}"))
+    return out, where
 
 
-def _compare_nodes(what: str, a, b, diffs: list[str]) -> int:
-    ca, cb = canonical_nodes(a), canonical_nodes(b)
+def _compare_nodes(what: str, a, b, diffs: list[str], consts=({}, {})) -> int:
+    ca, cb = canonical_nodes(a, consts[0]), canonical_nodes(b, consts[1])
     for i, (x, y) in enumerate(zip(ca, cb)):
-        if x[:4] != y[:4]:
+        if not _same_node(x, y):
             field = next(f for f, u, v in zip(("domain", "op", "attributes", "inputs"), x, y) if u != v)
             diffs.append(f"{what} node {i} ({x[4]} vs {y[4]}): {field} {_short(x, field)} vs {_short(y, field)}")
             return len(ca)  # the wiring of everything after it is off too
@@ -100,16 +137,6 @@ def _short(node, field) -> str:
     v = node[("domain", "op", "attributes", "inputs").index(field)]
     s = repr(v)
     return s if len(s) < 120 else s[:117] + "..."
-
-
-def _values(t: onnx.TensorProto, folder: Path) -> np.ndarray | None:
-    """Values of an inline initializer (None for external data, compared separately or not at all)."""
-    if t.data_location == TensorProto.EXTERNAL:
-        return None
-    if t.data_type == TensorProto.BFLOAT16:
-        raw = np.frombuffer(t.raw_data, np.int16) if t.raw_data else np.array(t.int32_data, np.int32).astype(np.int16)
-        return raw.reshape(tuple(t.dims))
-    return numpy_helper.to_array(t)
 
 
 def _external_bytes(t: onnx.TensorProto, folder: Path, budget: bool) -> bytes:
@@ -130,7 +157,9 @@ def compare_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
     fp8_dir, bf_dir = Path(fp8_dir), Path(fp8_bf16_dir)
     a, b = (onnx.load(str(d / "model.onnx"), load_external_data=False) for d in (fp8_dir, bf_dir))
     diffs: list[str] = []
-    nodes = _compare_nodes("graph", a.graph.node, b.graph.node, diffs)
+    consts = [{t.name: _const_key(t) for t in m.graph.initializer if t.data_location != TensorProto.EXTERNAL}
+              for m in (a, b)]
+    nodes = _compare_nodes("graph", a.graph.node, b.graph.node, diffs, consts)
 
     def io(vs):
         return [(v.name, tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim)) for v in vs]
@@ -144,7 +173,8 @@ def compare_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
     for name in sorted(set(fa) & set(fb)):
         _compare_nodes(f"function {name}", fa[name].node, fb[name].node, diffs)
 
-    ia, ib = {t.name: t for t in a.graph.initializer}, {t.name: t for t in b.graph.initializer}
+    # external initializers (weights) by name; inline ones were compared by value where the nodes use them
+    ia, ib = ({t.name: t for t in m.graph.initializer if t.data_location == TensorProto.EXTERNAL} for m in (a, b))
     if set(ia) != set(ib):
         diffs.append(f"initializers only on one side: {sorted(set(ia) ^ set(ib))[:SHOWN]}")
     fp8_names = [n for n in sorted(set(ia) & set(ib)) if ia[n].data_type == TensorProto.FLOAT8E4M3FN]
@@ -159,27 +189,11 @@ def compare_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
             diffs.append(f"initializer {n}: e4m3 on one side only")
             continue
         if ta.data_type == TensorProto.FLOAT8E4M3FN:
-            if TensorProto.EXTERNAL in (ta.data_location, tb.data_location):
-                xa, xb = _external_bytes(ta, fp8_dir, whole), _external_bytes(tb, bf_dir, whole)
-            else:
-                xa, xb = ta.raw_data, tb.raw_data
+            xa, xb = _external_bytes(ta, fp8_dir, whole), _external_bytes(tb, bf_dir, whole)
             compared += len(xa)
             if xa != xb:
                 diffs.append(f"initializer {n}: e4m3 bytes differ")
-            continue
-        va, vb = _values(ta, fp8_dir), _values(tb, bf_dir)
-        if va is None or vb is None:
-            continue  # unquantised weights: external data of the two validated exports
-        if ta.data_type == tb.data_type:
-            same = va.dtype == vb.dtype and va.tobytes() == vb.tobytes()
-        elif TensorProto.BFLOAT16 in (ta.data_type, tb.data_type):
-            la, lb = (v if t.data_type == TensorProto.BFLOAT16 else _bf16(v) for v, t in ((va, ta), (vb, tb)))
-            same = la.tobytes() == lb.tobytes()
-        else:
-            same = False
-        if not same:
-            diffs.append(f"initializer {n}: values differ" + (
-                f" ({va.ravel()[:3].tolist()} vs {vb.ravel()[:3].tolist()})" if va.dtype == vb.dtype else ""))
+        # unquantised weights: the external data of the two exports, each validated against the reference
     return TwinReport(nodes, len(ia), compared, diffs)
 
 
@@ -190,3 +204,29 @@ def require_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
         raise CloverError("fp8", f"{Path(fp8_bf16_dir).name} (the graph TensorRT builds from) {rep}",
                           "only onnx-fp8 is measured; this is a bug in the FP8 rewrite or the bf16 export")
     return rep
+
+
+def find_twin(bf16_dir: str | Path) -> Path:
+    """The fp32-activation twin of an FP8 graph on bf16 activations: a sibling FP8 graph on fp32 activations of
+    the same config (in a build: `onnx-fp8` beside `onnx-fp8-bf16`)."""
+    import json
+
+    from clover_export.exporter.artifact import MANIFEST
+
+    bf16_dir = Path(bf16_dir).absolute()
+    mine = json.loads((bf16_dir / MANIFEST).read_text())
+    found = []
+    for d in sorted(bf16_dir.parent.iterdir()):
+        try:
+            m = json.loads((d / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if ("quantization" in m and m.get("dtype") == "fp32"
+                and m.get("config_fingerprint") == mine.get("config_fingerprint")):
+            found.append(d)
+    if len(found) != 1:
+        raise CloverError("validate", f"{bf16_dir}: an FP8 graph on bf16 activations is validated through its "
+                          f"fp32-activation twin, and {len(found)} candidates lie beside it "
+                          f"({', '.join(d.name for d in found) or 'none'})",
+                          "validate it inside its build folder (onnx-fp8 beside onnx-fp8-bf16)")
+    return found[0]

@@ -92,7 +92,9 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
     abs / relative error against tolerances; exit status 1 on any failure.
 
     An FP8 graph (from `build --precision fp8`) is judged against the graph it was quantised from:
-    top-1 agreement over denoise positions of held-out prompts and the logit error (pass: >= 97%)."""
+    top-1 agreement over denoise positions of held-out prompts and the logit error (pass: >= 97%).
+    The FP8 graph on bf16 activations (onnx-fp8-bf16, what TensorRT builds from) must be the same graph
+    as its fp32-activation twin beside it up to dtype, which is then judged as above."""
     from clover_export.exporter.artifact import load_artifact
     from clover_export.exporter.validate import validate
 
@@ -107,6 +109,12 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
     if "quantization" in art.manifest:
         from clover_export.engines.calibration import validate_fp8
 
+        if art.dtype != "fp32":  # ONNX Runtime's CPU EP runs no bf16: judged as the twin of its fp32 graph
+            from clover_export.engines.fp8_twins import find_twin, require_twins
+
+            twin = find_twin(art.dir)
+            click.echo(f"{art.dir.name}: {require_twins(twin, art.dir)} ({twin.name})")
+            art = load_artifact(twin)
         line, passed = validate_fp8(art)
         click.echo(line)
         click.echo("PASSED" if passed else "FAILED")
