@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -115,6 +116,18 @@ def _protected(out: Path, model_dirs: Iterable[Path]) -> str | None:
     return None
 
 
+def _require_writable(out: Path, command: str, option: str) -> None:
+    """OUT's nearest existing ancestor takes a new folder (probed: permission bits say nothing to root)."""
+    parent = next(p for p in out.parents if p.exists())
+    if not parent.is_dir():
+        raise CloverError(command, f"{option} {out}: {parent} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".clover-probe-", dir=parent))
+    except OSError as e:
+        raise CloverError(command, f"{option} {out}: cannot create a folder in {parent} ({e.strerror or e})",
+                          "choose a writable location") from None
+
+
 def claim_dir(out: str | Path, kind: str, *, command: str, force: bool = False, option: str = "--out",
               model_dirs: Iterable[Path] = ()) -> Path:
     """Check that folder OUT may be written as `kind` (see the module docstring); returns it absolute.
@@ -130,6 +143,7 @@ def claim_dir(out: str | Path, kind: str, *, command: str, force: bool = False, 
         raise CloverError(command, f"{option} {out} is a {'link' if out.is_symlink() else 'file'}, not a folder",
                           "choose a new folder for the output")
     if not out.exists():
+        _require_writable(out, command, option)
         return out
     try:
         empty = not any(out.iterdir())

@@ -98,14 +98,13 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
     from clover_export.exporter.artifact import load_artifact
     from clover_export.exporter.validate import validate
 
-    art = load_artifact(folder)
-    if save_io:
+    if save_io:  # before any work
         from clover_export.exporter.validate import _inputs_path as inputs_path
         from clover_export.outdir import claim_file
 
         for option, path in (("--save-io", save_io), ("--save-io's inputs file", inputs_path(Path(save_io)))):
-            claim_file(path, "validate-io", command="validate", force=force, option=option,
-                       model_dirs=[art.dir, Path(art.manifest["model_dir"])])
+            claim_file(path, "validate-io", command="validate", force=force, option=option)
+    art = load_artifact(folder)
     if "quantization" in art.manifest:
         from clover_export.engines.calibration import validate_fp8
 
