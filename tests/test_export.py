@@ -90,6 +90,12 @@ def test_validate_command_reports_every_output(fp32_export, tmp_path):
     results, inputs = load_json(str(tmp_path / "io.json")), load_json(str(tmp_path / "io.inputs.json"))
     assert [r for r, _ in results] == ["reference-torch", "onnxruntime-cpu"]
     assert len(inputs) == len(results[0][1]) and names.INPUT_IDS in inputs[0]
+    from clover_export.outdir import claim_file
+
+    for f in ("io.json", "io.inputs.json"):  # recognised as validate's own files: replaced with --force only
+        with pytest.raises(CloverError, match="--force"):
+            claim_file(tmp_path / f, "validate-io", command="validate", option="--save-io")
+        claim_file(tmp_path / f, "validate-io", command="validate", option="--save-io", force=True)
 
 
 def test_bf16_graph_runs_in_onnx_reference(bf16_export):
