@@ -56,6 +56,37 @@ def test_second_build_reuses_everything(built):
 
 
 @pytest.mark.slow
+def test_fp8_below_the_gate_fails_the_build_before_the_engine_stage(built, monkeypatch):
+    """Regression (issue 10): below FP8_MIN_AGREEMENT the build used to print a WARNING and go on to the
+    engine stage. Now it fails with the figures, measured (API) or reused from build.json (CLI)."""
+    from clover_export.engines import build as B
+    from clover_export.engines import calibration
+    from clover_export.errors import CloverError
+
+    out, _ = built
+    path = out / "build.json"
+    saved = path.read_text()
+    try:
+        data = json.loads(saved)
+        del data["stages"]["validate-onnx-fp8"]
+        path.write_text(json.dumps(data))
+        bad = calibration.Agreement(384, 0.95, 5.5, 0.3)
+        monkeypatch.setattr(calibration, "agreement", lambda *a, **k: bad)
+        logged = []
+        with pytest.raises(CloverError) as e:
+            B.build(None, out, B.BuildOptions(max_batch=2), log=logged.append)
+        assert bad.line() in str(e.value) and "no engine was built" in str(e.value)
+        assert not any(line.startswith("[engine]") for line in logged), logged
+        # the figures were recorded: a re-run reuses them and fails the same way, on one line
+        r = run("build", "--out", str(out), "--max-batch", "2")
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith("error: [build] onnx-fp8 is below the FP8 gate") and "95.00%" in r.stderr
+        assert "[engine]" not in r.stdout
+    finally:
+        path.write_text(saved)
+
+
+@pytest.mark.slow
 def test_changed_option_rebuilds_what_depends_on_it(built, tmp_path):
     out, _ = built
     r = run("build", "--out", str(out), "--max-batch", "3", "--precision", "bf16")
@@ -100,33 +131,3 @@ def test_validate_judges_an_fp8_graph_against_its_source(built):
     r = run("validate", str(out / "onnx-fp8-bf16"))
     assert r.returncode == 1 and "no bf16 kernels" in r.stderr
 
-
-@pytest.mark.slow
-def test_fp8_below_the_gate_fails_the_build_before_the_engine_stage(built, monkeypatch):
-    """Regression (issue 10): below FP8_MIN_AGREEMENT the build used to print a WARNING and go on to the
-    engine stage. Now it fails with the figures, measured (API) or reused from build.json (CLI)."""
-    from clover_export.engines import build as B
-    from clover_export.engines import calibration
-    from clover_export.errors import CloverError
-
-    out, _ = built
-    path = out / "build.json"
-    saved = path.read_text()
-    try:
-        data = json.loads(saved)
-        del data["stages"]["validate-onnx-fp8"]
-        path.write_text(json.dumps(data))
-        bad = calibration.Agreement(384, 0.95, 5.5, 0.3)
-        monkeypatch.setattr(calibration, "agreement", lambda *a, **k: bad)
-        logged = []
-        with pytest.raises(CloverError) as e:
-            B.build(None, out, B.BuildOptions(max_batch=2), log=logged.append)
-        assert bad.line() in str(e.value) and "no engine was built" in str(e.value)
-        assert not any(line.startswith("[engine]") for line in logged), logged
-        # the figures were recorded: a re-run reuses them and fails the same way, on one line
-        r = run("build", "--out", str(out), "--max-batch", "2")
-        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-        assert r.stderr.startswith("error: [build] onnx-fp8 is below the FP8 gate") and "95.00%" in r.stderr
-        assert "[engine]" not in r.stdout
-    finally:
-        path.write_text(saved)
