@@ -74,7 +74,7 @@ def test_fp8_below_the_gate_fails_the_build_before_the_engine_stage(built, monke
         monkeypatch.setattr(calibration, "agreement", lambda *a, **k: bad)
         logged = []
         with pytest.raises(CloverError) as e:
-            B.build(None, out, B.BuildOptions(max_batch=2), log=logged.append)
+            B.build(None, out, B.BuildOptions(precision="fp8", max_batch=2), log=logged.append)
         assert bad.line() in str(e.value) and "no engine was built" in str(e.value)
         assert not any(line.startswith("[engine]") for line in logged), logged
         # the figures were recorded: a re-run reuses them and fails the same way, on one line
