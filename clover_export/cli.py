@@ -29,6 +29,10 @@ class Group(click.Group):
         except CloverError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except click.UsageError as e:  # a bad option value (a file where a folder goes, ...): one line too
+            where = f"{e.ctx.command_path} --help" if e.ctx is not None else f"{ctx.command_path} --help"
+            click.echo(f"error: [cli] {e.format_message()} (see `{where}`)", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})

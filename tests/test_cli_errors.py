@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -45,10 +47,35 @@ CASES = {
     "generate_bad_device": (["generate", "{tiny}", "--prompt", "hi", "--device", "foo"], ["[runtime]", "'foo'"]),
     "compare_corrupt_golden": (["compare", "{tmp}/bad.json", "{tiny}"], ["[golden]", "bad.json", "not valid JSON"]),
 }
+# OUT policy (clover_export/outdir.py, issue 10): a user's folder or file is never replaced, --force or not
+# (the policy's other cases are in test_outdir.py, without a subprocess each).
+# The commands run in {tmp}/work, a folder of the user's: `--out .` must not touch it.
+CASES.update({
+    "export_out_user_folder": (["export", "{tiny}", "--out", "{tmp}/mine"],
+                               ["[export]", "is not empty", "notes.txt", "results/"]),
+    "export_out_dot": (["export", "{tiny}", "--out", ".", "--force"], ["[export]", "is the working directory"]),
+    "export_out_earlier_export": (["export", "{tiny}", "--out", "{tmp}/earlier"], ["[export]", "earlier output", "--force"]),
+    "export_out_is_a_file": (["export", "{tiny}", "--out", "{tmp}/afile"], ["[cli]", "--out", "is a file"]),
+    "export_out_unwritable": (["export", "{tiny}", "--out", "/sys/clover-export-test"], ["[export]", "cannot create"]),
+    "build_out_user_folder": (["build", "{tiny}", "--out", "{tmp}/mine", "--force"], ["[build]", "is not empty"]),
+    "train_out_user_folder": (["@train", "--out", "{tmp}/mine", "--steps", "1", "--force"], ["[train]", "is not empty"]),
+    "validate_save_io_user_file": (["validate", "{tmp}/earlier", "--save-io", "{tmp}/mine/notes.txt", "--force"],
+                                   ["[validate]", "--save-io", "exists and is not"]),
+    "forward_save_is_a_folder": (["forward", "{tiny}", "--input-ids", "1", "--save", "{tmp}/mine"], ["[cli]", "--save"]),
+    # broken checkpoints
+    "export_corrupt_safetensors": (["export", "{tmp}/corrupt", "--out", "{tmp}/e1"],
+                                   ["[checkpoint]", "safetensors header is not valid JSON"]),
+    "export_missing_shard": (["export", "{tmp}/noshard", "--out", "{tmp}/e2"], ["[checkpoint]", "does not exist"]),
+    "unknown_option": (["export", "--bogus"], ["[cli]", "--bogus"]),
+})
 # these two only mean something where CUDA / TensorRT are missing (skipped elsewhere)
 CASES["generate_cuda_missing"] = (["generate", "{tiny}", "--prompt", "hi", "--device", "cuda"],
                                   ["[runtime]", "--device cuda"])
 CASES["generate_trt_missing"] = (["generate", "{tiny}", "--prompt", "hi", "--backend", "trt"], ["[runtime]", "TensorRT"])
+
+
+USER_FILES = {"work/draft.txt": "my draft", "mine/notes.txt": "my notes", "mine/results/run1.csv": "1,2",
+              "home/.bashrc": "export X=1", "afile": "not a folder"}
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +87,38 @@ def results(tiny_dir, tmp_path_factory):
     (tmp / "badart").mkdir()
     (tmp / "badart" / "manifest.json").write_text("{bad")
     (tmp / "bad.json").write_text("{not json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, text in USER_FILES.items():  # the user's files: no refused command may touch them
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_text(text)
+    (tmp / "earlier").mkdir()
+    (tmp / "earlier" / "manifest.json").write_text(json.dumps({"format": "clover-export/step-graph"}))
+    for name, damage in (("corrupt", "header"), ("noshard", "shard")):
+        shutil.copytree(tiny_dir, tmp / name)
+        shard = next((tmp / name).glob("*.safetensors"))
+        if damage == "shard":
+            shard.unlink()
+        else:
+            data = bytearray(shard.read_bytes())
+            data[8:40] = b"x" * 32  # the JSON header after its 8-byte length
+            shard.write_bytes(bytes(data))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(tmp / "home")}
 
     def run(argv):
         argv = [a.format(tiny=tiny_dir, tmp=tmp) for a in argv]
-        return subprocess.run([sys.executable, "-m", "clover_export.cli", *argv], capture_output=True, text=True,
-                              env=env, timeout=120)
+        entry = ["clover_export.train", *argv[1:]] if argv[0] == "@train" else ["clover_export.cli", *argv]
+        return subprocess.run([sys.executable, "-m", *entry], capture_output=True, text=True, env=env, timeout=180,
+                              cwd=tmp / "work")
 
     before = sorted(p.name for p in tiny_dir.iterdir())
+    def timed(argv):
+        t = time.perf_counter()
+        r = run(argv)
+        r.seconds = time.perf_counter() - t
+        return r
+
     with ThreadPoolExecutor(max_workers=4) as pool:
-        out = dict(zip(CASES, pool.map(run, [argv for argv, _ in CASES.values()])))
+        out = dict(zip(CASES, pool.map(timed, [argv for argv, _ in CASES.values()])))
+    print("slowest cases:", sorted(((round(r.seconds), k) for k, r in out.items()), reverse=True)[:8])
     out["_tiny_unchanged"] = sorted(p.name for p in tiny_dir.iterdir()) == before
     out["_tmp"] = tmp
     return out
@@ -99,9 +148,16 @@ def test_user_error_is_one_clean_message(results, name):
 
 
 def test_nothing_written(results):
-    """Refused commands leave no output behind (and never touch the model folder)."""
+    """Refused commands leave no output behind (and never touch the model folder or the user's files)."""
     tmp = results["_tmp"]
     assert results["_tiny_unchanged"]
-    assert not (tmp / "b0").exists()
-    assert not (tmp / "nodir").exists()
+    for name in ("b0", "nodir", "e1", "e2"):
+        assert not (tmp / name).exists(), name
     assert not any(p.name.startswith(".") for p in tmp.iterdir())
+    for name, text in USER_FILES.items():
+        assert (tmp / name).read_text() == text, name
+    assert {p.name for p in (tmp / "home").iterdir()} <= {".bashrc", ".cache"}  # ONNX Runtime caches a device id
+    for folder in ("work", "mine"):
+        assert sorted(p.relative_to(tmp).as_posix() for p in (tmp / folder).rglob("*") if p.is_file()) == \
+            sorted(n for n in USER_FILES if n.startswith(folder + "/")), folder
+    assert sorted(p.name for p in (tmp / "earlier").iterdir()) == ["manifest.json"]

@@ -90,6 +90,12 @@ def test_validate_command_reports_every_output(fp32_export, tmp_path):
     results, inputs = load_json(str(tmp_path / "io.json")), load_json(str(tmp_path / "io.inputs.json"))
     assert [r for r, _ in results] == ["reference-torch", "onnxruntime-cpu"]
     assert len(inputs) == len(results[0][1]) and names.INPUT_IDS in inputs[0]
+    from clover_export.outdir import claim_file
+
+    for f in ("io.json", "io.inputs.json"):  # recognised as validate's own files: replaced with --force only
+        with pytest.raises(CloverError, match="--force"):
+            claim_file(tmp_path / f, "validate-io", command="validate", option="--save-io")
+        claim_file(tmp_path / f, "validate-io", command="validate", option="--save-io", force=True)
 
 
 def test_bf16_graph_runs_in_onnx_reference(bf16_export):
@@ -314,13 +320,13 @@ def test_failing_write_leaves_nothing_half_written(tiny_fp32_dir, tmp_path, monk
 
     monkeypatch.setattr(W, "copy_file", disk_full)
     with pytest.raises(CloverError, match="No space left on device") as e:
-        export(tiny_fp32_dir, out, dtype="fp32", weights="copy")
+        export(tiny_fp32_dir, out, dtype="fp32", weights="copy", force=True)
     assert "nothing was written" in str(e.value)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # the earlier export is intact
     assert (out / "manifest.json").read_text() == manifest
     assert not leftovers(tmp_path, "out")
     monkeypatch.undo()
-    export(tiny_fp32_dir, out, dtype="fp32", weights="copy")  # re-running into the same folder is fine
+    export(tiny_fp32_dir, out, dtype="fp32", weights="copy", force=True)  # --force replaces an earlier export
     assert json.loads((out / "manifest.json").read_text())["weights"]["mode"] == "copy"
 
 

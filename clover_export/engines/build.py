@@ -43,6 +43,7 @@ class BuildOptions:
     strip_weights: bool = False
     require_engine: bool = False
     allow_qwen: bool = False
+    force: bool = False  # redo every stage; OUT must still be a build folder (clover_export.outdir)
 
 
 @dataclass
@@ -111,20 +112,28 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
 
     if opts.precision not in ("bf16", "fp8"):
         raise CloverError("build", f"unknown precision {opts.precision!r}", "expected bf16 or fp8")
+    if opts.require_engine:  # before any work (issue 10)
+        why = engine_blocker(opts.precision)
+        if why:
+            raise CloverError("build", f"--require-engine: no engine can be built here: {why}",
+                              "run `clover-export doctor` to see what is missing; nothing was built")
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
     max_context = cfg.max_context if opts.max_context is None else opts.max_context
-    out = Path(out).absolute()
-    m, o = model_dir.resolve(), out.resolve()
-    if m == o or m in o.parents:  # the build writes folders and build.json into OUT
-        raise CloverError("build", f"--out {out} is, or lies inside, the model folder {model_dir}",
-                          "choose a build folder outside the checkpoint")
+    from clover_export.outdir import claim_dir
+
+    out = claim_dir(out, "build", command="build", force=opts.force, model_dirs=[model_dir])
     plan = plan_memory(cfg, opts.precision, opts.max_batch, max_context, opts.chunk, gpu_memory_bytes(opts))
     for line in plan.lines():
         log(line)
     require_fit(plan)  # before anything is written
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CloverError("build", f"--out {out}: cannot create the folder ({e.strerror or e})") from None
     stages = Stages(out)
+    if opts.force:
+        stages.data["stages"] = {}
     res = BuildResult(out)
     base = (str(model_dir.resolve()), checkpoint_key(model_dir), cfg.fingerprint(), opts.max_batch, max_context,
             opts.chunk, opts.weights, opts.allow_qwen)
@@ -138,7 +147,7 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         else:
             t = time.perf_counter()
             r = export(model_dir, folder, dtype=dtype, weights=opts.weights, chunk=opts.chunk, max_batch=opts.max_batch,
-                       max_len=max_context, allow_qwen=opts.allow_qwen)
+                       max_len=max_context, allow_qwen=opts.allow_qwen, force=True)
             msg = f"weights {r.weights.mode}" + (f" ({'; '.join(r.weights.messages)})" if r.weights.messages else "")
             log(f"[export {dtype}] {folder.name} in {time.perf_counter() - t:.1f} s, {msg}")
             stages.record(f"export-{dtype}", key, {"weights": r.weights.mode, "seconds": round(r.seconds, 2)})
@@ -193,25 +202,46 @@ def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log) -> Path:
         if stages.done(f"quantize-{name}", key, out / name):
             log(f"[quantize] reused {name}")
             continue
-        rep = quantize_graph(src, out / name, amax)
+        rep = quantize_graph(src, out / name, amax, force=True)  # the build's own folder
         log(f"[quantize] {name}: {rep.gemms} GEMMs with Q/DQ, {rep.expert_tensors} expert tensors e4m3, "
             f"{rep.bytes_written / 2**20:.1f} MiB written")
         stages.record(f"quantize-{name}", key, {"gemms": rep.gemms, "experts": rep.expert_tensors})
     key = _key("agreement", calib_key)
     if stages.done("validate-onnx-fp8", key, None):
-        log(f"[validate onnx-fp8] reused: {stages.result('validate-onnx-fp8')['line']}")
+        res = stages.result("validate-onnx-fp8")
+        log(f"[validate onnx-fp8] reused: {res['line']}")
     else:
         a = agreement(fp32, out / "onnx-fp8", model_dir, HELDOUT_PROMPTS)
         log(f"[validate onnx-fp8] {a.line()}")
-        if a.top1_agreement < FP8_MIN_AGREEMENT:
-            log(f"[validate onnx-fp8] WARNING: top-1 agreement below {100 * FP8_MIN_AGREEMENT:.0f}%")
-        stages.record("validate-onnx-fp8", key, {"line": a.line(), "top1_agreement": a.top1_agreement,
-                                                 "max_abs_logit_error": a.max_abs_logit_error})
+        res = {"line": a.line(), "top1_agreement": a.top1_agreement, "max_abs_logit_error": a.max_abs_logit_error}
+        stages.record("validate-onnx-fp8", key, res)
+    if res["top1_agreement"] < FP8_MIN_AGREEMENT:  # the engine stage never sees a graph below the gate
+        raise CloverError("build", f"onnx-fp8 is below the FP8 gate: {res['line']} (gate: top-1 agreement "
+                          f">= {100 * FP8_MIN_AGREEMENT:.0f}%); no engine was built",
+                          "calibrate on prompts like your traffic (--calib FILE), or build --precision bf16")
+    from clover_export.engines.fp8_twins import require_twins
+
+    twins = require_twins(out / "onnx-fp8", out / "onnx-fp8-bf16")
+    log(f"[validate onnx-fp8-bf16] {twins}")
     return out / "onnx-fp8-bf16"
 
 
-def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, log) -> None:
+def engine_blocker(precision: str, facts=None) -> str | None:
+    """Why no `precision` engine can be built on this machine, or None."""
     from clover_export.engines.doctor import PRECISION_MIN_SM, collect, tensorrt_problem
+
+    facts = collect() if facts is None else facts
+    why = tensorrt_problem(facts)  # absent, broken (with the import error) or older than the floor (with the features)
+    if why is None and not facts.gpus:
+        why = "no CUDA GPU on this machine"
+    elif why is None and tuple(facts.gpus[0]["sm"]) < PRECISION_MIN_SM[precision]:
+        sm = facts.gpus[0]["sm"]
+        why = f"{precision} engines need sm_{''.join(map(str, PRECISION_MIN_SM[precision]))}+, this GPU is sm_{sm[0]}{sm[1]}"
+    return why
+
+
+def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, log) -> None:
+    from clover_export.engines.doctor import collect
     from clover_export.exporter.artifact import load_artifact
 
     art = load_artifact(graph)
@@ -219,12 +249,7 @@ def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, lo
         raise CloverError("build", f"{graph.name} has map-mode weights (the checkpoint referenced in place through "
                           "weights.json): TensorRT cannot parse or refit them", "build again with --weights link or copy")
     facts = collect()
-    why = tensorrt_problem(facts)  # absent, broken (with the import error) or older than the floor (with the features)
-    if why is None and not facts.gpus:
-        why = "no CUDA GPU on this machine"
-    elif why is None and tuple(facts.gpus[0]["sm"]) < PRECISION_MIN_SM[opts.precision]:
-        sm = facts.gpus[0]["sm"]
-        why = f"{opts.precision} engines need sm_{''.join(map(str, PRECISION_MIN_SM[opts.precision]))}+, this GPU is sm_{sm[0]}{sm[1]}"
+    why = engine_blocker(opts.precision, facts)
     if why:
         msg = f"[engine] skipped: {why}; the ONNX graphs above are complete and validated"
         log(msg)

@@ -139,9 +139,11 @@ def _read_weight(art_dir: Path, entry: dict) -> torch.Tensor:
     return t.view(torch.bfloat16).float() if entry["dtype"] == "BF16" else t.float()
 
 
-def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False) -> Fp8Report:
-    """Write the FP8 artefact of the exported folder `src_dir` into `out_dir` (atomically)."""
-    from clover_export.atomic import replace_dir
+def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False,
+                   force: bool = False) -> Fp8Report:
+    """Write the FP8 artefact of the exported folder `src_dir` into `out_dir` (atomically; `out_dir` new,
+    empty, or with `force` an earlier FP8 graph: `clover_export.outdir`)."""
+    from clover_export.outdir import claim_dir, commit_dir
     from clover_export.exporter.artifact import load_artifact, read_weight_map
 
     art = load_artifact(src_dir)
@@ -153,7 +155,7 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
     targets = set(fp8_weight_names(art.config, include_lm_head))
     report = Fp8Report(include_lm_head=include_lm_head)
 
-    out_dir = Path(out_dir)
+    out_dir = claim_dir(out_dir, "fp8", command="quantize", force=force, model_dirs=[art.dir])
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     writer = _Fp8Writer(tmp)
@@ -230,7 +232,7 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
                 fp8_map[t.name] = {"file": ext["location"], "offset": int(ext["offset"]), "length": int(ext["length"]),
                                    "dtype": "F8_E4M3", "shape": list(t.dims)}
         (tmp / "weights.json").write_text(json.dumps({"mode": art.weights_mode, "tensors": fp8_map}, indent=2))
-        replace_dir(tmp, out_dir)
+        commit_dir(tmp, out_dir, "fp8", command="quantize", force=force, model_dirs=[art.dir])
     except BaseException:
         writer.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from clover_export.exporter.artifact import WEIGHT_MODES
@@ -13,7 +15,7 @@ def _mib(n: int) -> str:
 
 @click.command("export")
 @click.argument("model", required=False)
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output folder (replaced atomically).")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output folder: new or empty (written atomically), or an earlier export with --force.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="Graph dtype. bf16: TensorRT / GPU; fp32: ONNX Runtime on CPU (weights converted into new files).")
 @click.option("--weights", type=click.Choice(WEIGHT_MODES), default="link", show_default=True,
@@ -26,7 +28,8 @@ def _mib(n: int) -> str:
 @click.option("--slots", type=int, default=None, help="Cache slots per pool in the profiles (default: --max-batch).")
 @click.option("--max-len", type=int, default=None, help="Pool length L in the profiles (default: max_context).")
 @click.option("--allow-qwen", is_flag=True, help="Accept a plain Qwen3.5-MoE checkpoint (block-mixer tensors zero-filled).")
-def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, max_len, allow_qwen):
+@click.option("--force", is_flag=True, help="Replace OUT when it holds an earlier export (never any other folder).")
+def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, max_len, allow_qwen, force):
     """Export MODEL's step graph (ONNX, opset 20 / IR 9) with manifest.json to OUT.
 
     One graph serves every kind of step: per batch row C causal rows (C >= 0)
@@ -39,7 +42,8 @@ def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, 
     from clover_export.exporter.export import export
 
     res = export(model, out, dtype=dtype, weights=weights, block_size=block_size, chunk=chunk,
-                 max_batch=max_batch, slots=slots, max_len=max_len, allow_qwen=allow_qwen, log=click.echo)
+                 max_batch=max_batch, slots=slots, max_len=max_len, allow_qwen=allow_qwen, log=click.echo,
+                 force=force)
     w = res.weights
     for msg in w.messages:
         click.echo(f"note: {msg}")
@@ -80,11 +84,13 @@ def check_cmd(folder, verbose):
 @click.option("--steps", type=int, default=None, help="Run only the first N steps of the scenario.")
 @click.option("--save-io", type=click.Path(dir_okay=False), default=None,
               help="Save inputs and outputs in Polygraphy's JSON format: FILE (RunResults) and FILE's "
-                   "`.inputs.json` sibling (input data list), to replay against TensorRT elsewhere.")
+                   "`.inputs.json` sibling (input data list), to replay against TensorRT elsewhere. "
+                   "FILE must be new (or, with --force, an earlier --save-io file).")
 @click.option("--no-cuda", is_flag=True, help="Do not use ONNX Runtime's CUDA EP even where present.")
 @click.option("--reference-evaluator/--no-reference-evaluator", default=None,
               help="Also run one small step with onnx.reference (default: for bf16 graphs).")
-def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator):
+@click.option("--force", is_flag=True, help="Replace an earlier --save-io file (never any other file).")
+def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
     """Run FOLDER's graph in ONNX Runtime (and onnx.reference for bf16) against the reference model on
     the same inputs, at the shapes the graph runs with: a full prefill chunk (the export's --chunk causal
     rows) and the profiles' largest batch, a commit folded with a block, block-only steps, batch rows in
@@ -92,14 +98,28 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator):
     abs / relative error against tolerances; exit status 1 on any failure.
 
     An FP8 graph (from `build --precision fp8`) is judged against the graph it was quantised from:
-    top-1 agreement over denoise positions of held-out prompts and the logit error (pass: >= 97%)."""
+    top-1 agreement over denoise positions of held-out prompts and the logit error (pass: >= 97%).
+    The FP8 graph on bf16 activations (onnx-fp8-bf16, what TensorRT builds from) must be the same graph
+    as its fp32-activation twin beside it up to dtype, which is then judged as above."""
     from clover_export.exporter.artifact import load_artifact
     from clover_export.exporter.validate import validate
 
+    if save_io:  # before any work
+        from clover_export.exporter.validate import _inputs_path as inputs_path
+        from clover_export.outdir import claim_file
+
+        for option, path in (("--save-io", save_io), ("--save-io's inputs file", inputs_path(Path(save_io)))):
+            claim_file(path, "validate-io", command="validate", force=force, option=option)
     art = load_artifact(folder)
     if "quantization" in art.manifest:
         from clover_export.engines.calibration import validate_fp8
 
+        if art.dtype != "fp32":  # ONNX Runtime's CPU EP runs no bf16: judged as the twin of its fp32 graph
+            from clover_export.engines.fp8_twins import find_twin, require_twins
+
+            twin = find_twin(art.dir)
+            click.echo(f"{art.dir.name}: {require_twins(twin, art.dir)} ({twin.name})")
+            art = load_artifact(twin)
         line, passed = validate_fp8(art)
         click.echo(line)
         click.echo("PASSED" if passed else "FAILED")

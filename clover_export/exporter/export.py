@@ -3,7 +3,7 @@
 Order: config and checkpoint headers are checked first (no weight byte read),
 the step graph is traced on the meta device, the weights are attached as
 external data per the chosen mode, the folder is checked (`check.py`) and
-only then moved into place (`atomic.replace_dir`). Any failure removes
+only then moved into place (`outdir.commit_dir`). Any failure removes
 the temporary folder: an existing export at OUT stays as it was.
 """
 
@@ -24,7 +24,6 @@ import onnx
 import torch
 
 from clover_export import names
-from clover_export.atomic import replace_dir
 from clover_export.checkpoint import locate_tensors, plan_tensors
 from clover_export.config import CloverConfig, load_config
 from clover_export.errors import CloverError
@@ -33,6 +32,7 @@ from clover_export.exporter.trace import BATCH, IR_VERSION, OPSET, POOL_LEN, SLO
 from clover_export.exporter.trt_graph import TRT_GRAPH, write_trt_graph
 from clover_export.exporter.weights import WeightReport, WeightWriter
 from clover_export.models import parse_dtype, resolve_model_dir
+from clover_export.outdir import claim_dir, commit_dir
 from clover_export.plugins import contracts
 
 DEFAULT_CHUNK = 256
@@ -96,8 +96,11 @@ def export(
     max_len: int | None = None,
     allow_qwen: bool = False,
     log: Callable[[str], None] = lambda s: None,
+    force: bool = False,
 ) -> ExportResult:
-    """Export MODEL's step graph into OUT (see the module docstring); returns what was done."""
+    """Export MODEL's step graph into OUT (see the module docstring); returns what was done.
+
+    OUT follows `clover_export.outdir`: a new or empty folder, or (with `force`) an earlier export."""
     t0 = time.perf_counter()
     if weights not in A.WEIGHT_MODES:
         raise CloverError("export", f"unknown weights mode {weights!r}", f"expected one of {', '.join(A.WEIGHT_MODES)}")
@@ -114,6 +117,7 @@ def export(
         raise CloverError("export", f"--slots ({slots}) is below --max-batch ({max_batch})", "each batch row owns one slot")
     out = Path(out).absolute()
     _refuse_overlap(model_dir, out)
+    claim_dir(out, "export", command="export", force=force, model_dirs=[model_dir])
     plans = plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=allow_qwen)  # every problem, before any work
     log(f"model: {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers), graph dtype {dtype}, block {N}")
     t = time.perf_counter()
@@ -161,7 +165,7 @@ def export(
                               "nothing was written; this is an exporter bug worth reporting")
         written = writer.report.weight_bytes_written + sum(
             (tmp / f).stat().st_size for f in (A.GRAPH, A.WEIGHT_MAP, A.MANIFEST) + ((TRT_GRAPH,) if engine_bound else ()))
-        replace_dir(tmp, out)
+        commit_dir(tmp, out, "export", command="export", force=force, model_dirs=[model_dir])
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""

@@ -483,7 +483,7 @@ def save_polygraphy(path: Path, feeds, pools, results: dict[str, list[dict]]) ->
     """RunResults (one IterationResult per step and runner) and the input data list (the feeds each step
     got, with the reference model's pools carried in), in Polygraphy's JSON format."""
     from polygraphy.comparator import IterationResult, RunResults
-    from polygraphy.json import save_json
+    from polygraphy.json import to_json
 
     ref = results["reference-torch"]
     inputs, carried = [], dict(pools)
@@ -493,6 +493,8 @@ def save_polygraphy(path: Path, feeds, pools, results: dict[str, list[dict]]) ->
     rr = RunResults()
     for runner, res in sorted(results.items(), key=lambda kv: kv[0] != "reference-torch"):
         rr.append((runner, [IterationResult(outputs=o, runner_name=runner) for o in res]))
+    from clover_export.atomic import atomic_write
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_json(rr, str(path), description="clover-export validate outputs")
-    save_json(inputs, str(_inputs_path(path)), description="clover-export validate inputs")
+    for obj, dest in ((inputs, _inputs_path(path)), (rr, path)):  # written whole, or not at all
+        atomic_write(dest, lambda f, obj=obj: f.write(to_json(obj).encode()))

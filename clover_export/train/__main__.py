@@ -34,8 +34,22 @@ def trained_generation_config() -> dict:
     return {**generation_config_dict(), "repetition_penalty": 1.0, "presence_penalty": 0.0}
 
 
-@click.command()
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Model folder to write.")
+class _Command(click.Command):
+    """A CloverError is one line on stderr and exit status 1, as in `clover-export` (cli.py)."""
+
+    def invoke(self, ctx):
+        from clover_export.errors import CloverError
+
+        try:
+            return super().invoke(ctx)
+        except CloverError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+
+
+@click.command(cls=_Command)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Model folder to write: new or empty, or an earlier training output with --force.")
 @click.option("--steps", default=TrainSettings.steps, show_default=True, help="Optimizer steps.")
 @click.option("--batch-size", default=TrainSettings.batch_size, show_default=True)
 @click.option("--lr", default=TrainSettings.lr, show_default=True, help="Peak learning rate (AdamW).")
@@ -44,7 +58,8 @@ def trained_generation_config() -> dict:
 @click.option("--eval-every", default=TrainSettings.eval_every, show_default=True,
               help="Score held-out prompts every N steps (0: never).")
 @click.option("--eval-count", default=TrainSettings.eval_count, show_default=True)
-def main(out_dir, steps, batch_size, lr, seed, threads, eval_every, eval_count):
+@click.option("--force", is_flag=True, help="Replace OUT when it holds an earlier training output (never any other folder).")
+def main(out_dir, steps, batch_size, lr, seed, threads, eval_every, eval_count, force):
     """Train a tiny Clover for block diffusion on the synthetic tasks, CPU only.
 
     The objective and data are described in clover_export/train/trainer.py;
@@ -56,6 +71,9 @@ def main(out_dir, steps, batch_size, lr, seed, threads, eval_every, eval_count):
     from clover_export.train.data import ChatCodec
     from clover_export.train.evaluate import load_for_eval, score
 
+    from clover_export.outdir import claim_dir
+
+    out_dir = claim_dir(out_dir, "train", command="train", force=force)  # before training, not after
     torch.set_num_threads(threads)
     settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                              eval_every=eval_every, eval_count=eval_count)
@@ -71,6 +89,7 @@ def main(out_dir, steps, batch_size, lr, seed, threads, eval_every, eval_count):
                   "parameters": sum(p.numel() for p in model.parameters()),
                   "tasks": list(tasks.TASKS), "items": [tasks.MIN_ITEMS, tasks.MAX_ITEMS],
                   "heldout_seed": tasks.HELDOUT_SEED})
+    claim_dir(out_dir, "train", command="train", force=force)  # OUT may have changed while training
     save_trained(model, cfg_dict, out_dir, facts, trained_generation_config())
     # final figures on the full held-out set, from the saved BF16 weights
     saved = load_for_eval(out_dir)
