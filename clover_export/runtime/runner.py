@@ -96,7 +96,9 @@ class Runner:
         slots = slot_ids.long()
         n = (base[:, None] + torch.arange(N, device=self.device)).float()
         params = RowParams(self.params.index_select(0, slots))
-        rows = [r for r, req in enumerate(plan.requests) if req.params.do_sample]
+        # only rows with a block draw: a row's generator is consumed by its own denoise steps alone, so a
+        # seeded request gives the same tokens whatever else shares the step (DECODING.md 4)
+        rows = [r for r, req in enumerate(plan.requests) if req.params.do_sample and plan.has_block[r]]
         gens = [self.generators[plan.requests[r].slot] for r in rows]
         tok, conf = choose(logits, seen_ids.long().view(B, K), seen_counts.float().view(B, K), n, params,
                            self.end_ids.index_select(0, slots), self.mask_id, self.think_end_id, think_open != 0,
