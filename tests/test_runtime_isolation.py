@@ -63,3 +63,58 @@ def test_seeded_tokens_do_not_depend_on_the_batch(model, tiny_dir, delay, chunk,
     else:
         _, r = staggered(gen, other, dict(mine), delay)
     assert r.token_ids == alone.token_ids
+
+
+# --- every parameter checked up front ------------------------------------------------------------
+BAD_PARAMS = [  # (parameters, the name the error must carry); vocabulary size of the tiny model: 512
+    (dict(eos_token_id=[100000]), "eos_token_id"), (dict(eos_token_id=[-1]), "eos_token_id"),
+    (dict(eos_token_id=[2.5]), "eos_token_id"), (dict(eos_token_id="<|im_end|>"), "eos_token_id"),
+    (dict(temperature=math.nan), "temperature"), (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=math.inf), "temperature"), (dict(temperature="hot"), "temperature"),
+    (dict(top_k=2.5), "top_k"), (dict(top_k=-1), "top_k"), (dict(top_k=True), "top_k"),
+    (dict(top_p=1.01), "top_p"), (dict(top_p=math.nan), "top_p"), (dict(top_p=-0.1), "top_p"),
+    (dict(threshold=math.nan), "threshold"), (dict(threshold="0.5"), "threshold"), (dict(threshold=0.0), "threshold"),
+    (dict(dllm_length_penalty_start=-1), "dllm_length_penalty_start"),
+    (dict(dllm_think_end_start=-5), "dllm_think_end_start"),
+    (dict(dllm_length_penalty_window=0), "dllm_length_penalty_window"),
+    (dict(dllm_think_end_window=-1), "dllm_think_end_window"),
+    (dict(dllm_length_penalty=-1.0), "dllm_length_penalty"), (dict(dllm_think_end_bias=math.inf), "dllm_think_end_bias"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=math.nan), "presence_penalty"),
+    (dict(frequency_penalty=-0.1), "frequency_penalty"),
+    (dict(max_new_tokens=2.0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(block_size=16), "block_size"), (dict(block_size="32"), "block_size"),
+    (dict(seed=-1), "seed"), (dict(seed=1.5), "seed"), (dict(seed="7"), "seed"), (dict(seed=2**64), "seed"),
+    (dict(do_sample="yes"), "do_sample"), (dict(enable_thinking=1), "enable_thinking"),
+    (dict(stop=[3]), "stop"),
+    (dict(prompt_ids=[1, 2.7]), "prompt_ids"), (dict(prompt_ids=[1, 600]), "vocabulary"),
+]
+
+
+@pytest.fixture(scope="module")
+def shared(model, tiny_dir):
+    """One Generator for the rejection cases, counting backend calls."""
+    gen = make(model, tiny_dir)
+    gen.calls = []
+    step = gen.backend.step
+    gen.backend.step = lambda *a: gen.calls.append(1) or step(*a)
+    return gen
+
+
+@pytest.mark.parametrize("params, name", BAD_PARAMS, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD_PARAMS)])
+def test_bad_parameter_is_rejected_at_submit_naming_it(shared, params, name):
+    prompt = {} if "prompt_ids" in params else {"prompt": PROMPT}
+    with pytest.raises(CloverError, match=name):
+        shared.submit(**prompt, **params)
+    assert not shared.loop.has_work() and not shared.handles and shared.calls == []
+
+
+def test_generator_serves_after_rejections(shared):
+    assert shared.generate(PROMPT, max_new_tokens=4).response_tokens <= 4
+
+
+def test_edges_of_the_ranges_are_accepted(model, tiny_dir):
+    gen = make(model, tiny_dir)
+    ok = dict(threshold=1, top_p=1.0, top_k=0, temperature=1e-3, seed=2**64 - 1, do_sample=True,
+              presence_penalty=0, frequency_penalty=0.0, dllm_length_penalty_start=0, dllm_think_end_start=0,
+              eos_token_id=[0, model.cfg.vocab_size - 1], block_size=model.block_size, max_new_tokens=1)
+    assert gen.generate(PROMPT, **ok).response_tokens == 1

@@ -22,6 +22,7 @@ one thread: every `next()` on a stream (or `wait`) steps all queued requests.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from pathlib import Path
@@ -139,6 +140,10 @@ class Generator:
         self.block_size = backend.block_size
         self.tokenizer = ChatTokenizer(source_dir)
         self.defaults = load_generation_settings(source_dir, eos_fallback=cfg.eos_token_id)
+        try:
+            self.defaults.validate(cfg.vocab_size)
+        except CloverError as e:
+            raise CloverError("generation_config", f"{Path(source_dir) / 'generation_config.json'}: {e}") from None
         im_end = self.tokenizer.im_end_id
         self.extra_end_ids = frozenset([im_end] if im_end is not None else [])
         self.runner = Runner(backend, max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
@@ -164,10 +169,10 @@ class Generator:
     def settings(self, **params: Any) -> GenerationSettings:
         """The model's defaults with per-request overrides, validated (DECODING.md 1.2)."""
         block_size = params.pop("block_size", None)
-        if block_size is not None and block_size != self.block_size:
-            raise CloverError("generate", f"parameter 'block_size' is {block_size}, the engine's is {self.block_size}",
+        if block_size is not None and (isinstance(block_size, bool) or block_size != self.block_size):
+            raise CloverError("generate", f"parameter 'block_size' is {block_size!r}, the engine's is {self.block_size}",
                               "block_size is fixed when the model or engine is loaded")
-        return self.defaults.override(**params)
+        return self.defaults.override(**params).validate(self.cfg.vocab_size)
 
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
                    prompt_ids: list[int] | None = None, raw: bool = False, enable_thinking: bool = True) -> list[int]:
@@ -175,6 +180,9 @@ class Generator:
         if sum(given) != 1:
             raise CloverError("generate", "give exactly one of prompt, messages or prompt_ids")
         if prompt_ids is not None:
+            if isinstance(prompt_ids, (str, bytes)) or not all(
+                    isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in prompt_ids):
+                raise CloverError("generate", "parameter 'prompt_ids' must be a list of integer token ids")
             ids = [int(i) for i in prompt_ids]
         elif raw:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
