@@ -118,3 +118,80 @@ def test_edges_of_the_ranges_are_accepted(model, tiny_dir):
               presence_penalty=0, frequency_penalty=0.0, dllm_length_penalty_start=0, dllm_think_end_start=0,
               eos_token_id=[0, model.cfg.vocab_size - 1], block_size=model.block_size, max_new_tokens=1)
     assert gen.generate(PROMPT, **ok).response_tokens == 1
+
+
+# --- a failing step fails only the requests it concerns --------------------------------------------
+POISON = 400  # a token id no chat-template prompt here holds
+
+
+class PoisonedBackend(TorchBackend):
+    """Runs the step (caches updated in place), then raises when a causal row holds POISON, or when the
+    batch has `fail_at_batch` rows or more: a fault only the loop can attribute."""
+
+    fail_at_batch = 99
+
+    def step(self, inputs, pools):
+        out = super().step(inputs, pools)
+        ids, n_causal = inputs["input_ids"], inputs["n_causal"]
+        if any(POISON in ids[r, :int(n_causal[r])].tolist() for r in range(ids.shape[0])):
+            raise RuntimeError("poisoned row")
+        if ids.shape[0] >= self.fail_at_batch:
+            raise RuntimeError("out of memory at this batch size")
+        return out
+
+
+GOOD = [dict(prompt=PROMPT, eos_token_id=[1], threshold=0.5, max_new_tokens=40),
+        dict(SAMPLED, prompt=LONG_PROMPT, seed=4)]
+
+
+def alone_results(model, tiny_dir):
+    gen = make(model, tiny_dir, prefill_chunk=16)
+    return [gen.generate(**dict(p)).token_ids for p in GOOD]
+
+
+def test_poisoned_rows_fail_alone_and_the_others_finish_as_if_alone(model, tiny_dir):
+    alone = alone_results(model, tiny_dir)
+    gen = Generator(PoisonedBackend(model, tiny_dir), tiny_dir, max_slots=3, prefill_chunk=16)
+    good = [gen.submit(**dict(GOOD[1]))]  # seeded sampling: its generator draws in the failing steps
+    for _ in range(5):
+        gen.step()  # its prompt is cached and its first block mid-way when the others join
+    bad_ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    bad = gen.submit(prompt_ids=bad_ids[:3] + [POISON] + bad_ids[3:], max_new_tokens=8)
+    good.append(gen.submit(**dict(GOOD[0])))  # prefills next to the denoising row and the poisoned one
+    with pytest.raises(CloverError, match=f"request {bad.request_id} failed: RuntimeError: poisoned row"):
+        gen.wait([bad, *good])
+    assert [h.result.token_ids for h in good] == alone[::-1]
+    assert all(h.result.finish_reason == "length" for h in good)
+    assert bad.result.finish_reason == "error" and "poisoned row" in bad.result.error
+    with pytest.raises(CloverError, match="poisoned row"):
+        list(bad)
+    assert sorted(gen.loop.scheduler.free_slots) == [0, 1, 2] and not gen.loop.has_work()
+    # later requests still work, next to another poisoned one
+    again = gen.submit(**dict(GOOD[0]))
+    bad = gen.submit(prompt_ids=[POISON] * 5, max_new_tokens=8)
+    results = gen.wait([again, bad], raise_errors=False)
+    assert results[0].token_ids == alone[0] and results[1].finish_reason == "error"
+
+
+def test_request_past_the_checks_fails_at_admission_only(model, tiny_dir):
+    alone = alone_results(model, tiny_dir)
+    gen = make(model, tiny_dir, prefill_chunk=16)
+    a = gen.submit(**dict(GOOD[0]))
+    gen.step()
+    bad = gen.submit(PROMPT, max_new_tokens=8)
+    bad.request.end_ids = frozenset({10**6})  # as if built without Generator.submit's checks
+    b = gen.submit(**dict(GOOD[1]))
+    assert [r.finish_reason for r in gen.wait([a, bad, b], raise_errors=False)] == ["length", "error", "length"]
+    assert "vocabulary" in bad.result.error
+    assert [a.result.token_ids, b.result.token_ids] == alone
+
+
+def test_a_step_that_fails_for_no_single_row_fails_its_rows_and_the_loop_goes_on(model, tiny_dir):
+    backend = PoisonedBackend(model, tiny_dir)
+    backend.fail_at_batch = 2
+    gen = Generator(backend, tiny_dir, max_slots=2)
+    handles = [gen.submit(PROMPT, max_new_tokens=8) for _ in range(2)]
+    results = gen.wait(handles, raise_errors=False)
+    assert [r.finish_reason for r in results] == ["error", "error"]
+    assert all("out of memory" in r.error for r in results)
+    assert gen.generate(PROMPT, max_new_tokens=8).finish_reason in ("stop", "length")

@@ -71,11 +71,22 @@ class Stream:
     def __iter__(self):
         return self
 
+    @property
+    def error(self) -> CloverError | None:
+        """Why the request failed (its blocks so far were delivered), else None."""
+        err = self.request.error
+        if err is None:
+            return None
+        return CloverError("runtime", f"request {self.request_id} failed: {type(err).__name__}: {err}",
+                           "the other requests went on; its slot is free")
+
     def __next__(self) -> StreamChunk:
         while not self.chunks and not self.done:
             self.gen.step()
         if self.chunks:
             return self.chunks.popleft()
+        if self.request.error is not None:
+            raise self.error from self.request.error
         raise StopIteration
 
     def __enter__(self):
@@ -96,6 +107,9 @@ class Stream:
         return self.result
 
     def _on_block(self, event: BlockEvent) -> None:
+        if event.error is not None:
+            self._finish()
+            return
         delta, ids = self.tracker.push(event.new_tokens, event.finished)
         if self.tracker.stopped and not event.finished:
             self.gen.loop.finish(self.request, "stop_string")
@@ -116,6 +130,7 @@ class Stream:
             tokens_per_forward=len(ids) / req.denoise_steps if req.denoise_steps else 0.0,
             forwards_per_block=s["forwards_per_block"], distinct_experts_per_block=s["distinct_experts_per_block"],
             wall_time_s=time.perf_counter() - self.started, prompt_ids=list(req.prompt_ids),
+            error=str(self.error) if req.error is not None else None,
         )
         self.gen.handles.pop(self.request_id, None)
         return self.result
@@ -230,9 +245,15 @@ class Generator:
                    for p in prompts]
         return self.wait(handles)
 
-    def wait(self, handles: list[Stream]) -> list[Result]:
+    def wait(self, handles: list[Stream], raise_errors: bool = True) -> list[Result]:
+        """Step until every handle is done. A failed request raises its error once all are done (the
+        others' results stay on their handles), or with raise_errors=False is a Result with
+        finish_reason "error" and `error` set."""
         while not all(h.done for h in handles):
             self.step()
+        failed = next((h for h in handles if h.request.error is not None), None)
+        if failed is not None and raise_errors:
+            raise failed.error from failed.request.error
         return [h.result for h in handles]
 
     def cancel(self, request_id: int) -> None:
@@ -247,5 +268,11 @@ class Generator:
             return
         for event in self.loop.step():
             handle = self.handles.get(event.request.request_id)
-            if handle is not None:
+            if handle is None:
+                continue
+            try:
                 handle._on_block(event)
+            except Exception as e:  # noqa: BLE001 - e.g. decoding its ids: fails this request only
+                if not handle.done:
+                    self.loop.fail(event.request, e)
+                    handle._finish()

@@ -29,7 +29,7 @@ class Result:
     request_id: int
     token_ids: list[int]  # response ids: cut after the first end token (kept), at max_new_tokens, at a stop string
     text: str  # response text: without the end token, cut before the first stop string
-    finish_reason: str  # "stop" (end token), "length", "stop_string", "cancelled"
+    finish_reason: str  # "stop" (end token), "length", "stop_string", "cancelled", "error"
     prompt_tokens: int
     response_tokens: int
     denoise_steps: int
@@ -39,6 +39,7 @@ class Result:
     distinct_experts_per_block: float
     wall_time_s: float
     prompt_ids: list[int] = field(default_factory=list, repr=False)
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def reasoning(self) -> str:

@@ -11,11 +11,13 @@ reads back one small int tensor (block tokens and coreset sizes).
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from clover_export import names
+from clover_export.errors import CloverError
 from clover_export.runtime.backends import Backend
 from clover_export.runtime.controls import COLUMNS, RowParams, param_row, thinking_open
 from clover_export.runtime.request import Request
@@ -24,6 +26,18 @@ from clover_export.runtime.selector import choose, fill
 
 # observer(plan, logits [B, N, V]) sees a copy of the raw block logits of every step (tests, debugging)
 Observer = Callable[[StepPlan, torch.Tensor], None]
+STATE_POOLS = (".conv_state", ".recurrent_state")  # the pools a step overwrites below past_len (GDN states)
+
+
+@dataclass
+class Snapshot:
+    """What a step may change that the next try of it reads: the GDN states of its causal rows' slots
+    (block rows never write a cache; K/V are written past past_len only, which no later step reads
+    before rewriting it: STEP_GRAPH.md 1) and the generator state of its sampling rows."""
+
+    slots: torch.Tensor | None
+    states: dict[str, torch.Tensor]
+    generators: dict[int, torch.Tensor]
 
 
 class Runner:
@@ -50,6 +64,9 @@ class Runner:
             if not name.endswith((".key", ".value")):
                 pool[s].zero_()
         ends = sorted(req.end_ids)
+        vocab = self.backend.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ends):  # a request that bypassed Generator.submit's checks
+            raise CloverError("runtime", f"end token ids {ends} are not all in the vocabulary (size {vocab})")
         if len(ends) > self.end_ids.shape[1]:  # more end tokens than ever before: widen the table
             wider = torch.full((self.end_ids.shape[0], len(ends)), -1, dtype=torch.long, device=self.device)
             wider[:, :self.end_ids.shape[1]] = self.end_ids
@@ -61,6 +78,23 @@ class Runner:
             self.generators[s] = torch.Generator(device=self.device).manual_seed(seed)
         else:
             self.generators[s] = None
+
+    @torch.inference_mode()
+    def snapshot(self, plan: StepPlan) -> Snapshot:
+        """Copy what `run(plan)` may change (see Snapshot), so that a failed step can be undone."""
+        causal = [plan.slot_ids[r] for r in range(plan.batch) if plan.n_causal[r] > 0]
+        idx = torch.tensor(causal, dtype=torch.long, device=self.device) if causal else None
+        states = {name: pool.index_select(0, idx) for name, pool in self.pools.items()
+                  if idx is not None and name.endswith(STATE_POOLS)}
+        gens = {s: g.get_state() for s in plan.slot_ids if (g := self.generators[s]) is not None}
+        return Snapshot(idx, states, gens)
+
+    @torch.inference_mode()
+    def restore(self, snap: Snapshot) -> None:
+        for name, saved in snap.states.items():
+            self.pools[name].index_copy_(0, snap.slots, saved)
+        for s, state in snap.generators.items():
+            self.generators[s].set_state(state)
 
     def _seen(self, plan: StepPlan) -> tuple[int, list[int], list[int], list[int]]:
         """(K, ids, counts, thinking_open) of the rows' counted tokens, padded to K with (mask_id, 0)."""
