@@ -195,3 +195,79 @@ def test_a_step_that_fails_for_no_single_row_fails_its_rows_and_the_loop_goes_on
     assert [r.finish_reason for r in results] == ["error", "error"]
     assert all("out of memory" in r.error for r in results)
     assert gen.generate(PROMPT, max_new_tokens=8).finish_reason in ("stop", "length")
+
+
+# --- stop strings: not returned, in the text nor in the ids (DECODING.md 1.5) ---------------------------
+from clover_export.runtime.output import TextTracker  # noqa: E402
+
+PIECES = ["ab", "cd", "ef", "g", "h", "xyz", "é", " "]  # token id i decodes to PIECES[i]; 8 is an end token
+
+
+def decode_pieces(ids):
+    return "".join(PIECES[i] for i in ids if i < len(PIECES))
+
+
+def test_stop_string_starting_mid_token_drops_that_token_from_the_ids():
+    t = TextTracker(decode_pieces, frozenset({8}), ("de",))
+    assert t.push([0, 1, 2], final=False) == ("abc", [0])
+    assert t.stopped and t.text == "abc" and t.token_ids == [0]  # "cd" reaches into "de": dropped
+    t = TextTracker(decode_pieces, frozenset({8}), ("cd",))  # on a token boundary
+    assert t.push([0, 1, 2], final=False) == ("ab", [0]) and t.token_ids == [0]
+
+
+def test_stop_string_across_blocks_holds_back_text_and_ids():
+    t = TextTracker(decode_pieces, frozenset({8}), ("def",))
+    assert t.push([0, 1], final=False) == ("ab", [0])  # "cd" could still start "def": held back
+    assert t.push([2, 3], final=False) == ("c", [])
+    assert t.stopped and t.text == "abc" and t.token_ids == [0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, len(PIECES)), min_size=1, max_size=24),
+       cuts=st.lists(st.integers(1, 6), min_size=8, max_size=8),
+       stops=st.lists(st.text(alphabet="abcdefghxyzé ", min_size=1, max_size=4), max_size=2))
+def test_stop_string_cut_properties(ids, cuts, stops):
+    end = len(PIECES)
+    if end in ids:  # the loop ends a response at its first end token
+        ids = ids[:ids.index(end) + 1]
+    t = TextTracker(decode_pieces, frozenset({end}), tuple(stops))
+    blocks, i = [], 0
+    for c in cuts + [len(ids)]:
+        if i < len(ids):
+            blocks.append(ids[i:i + c])
+            i += c
+    texts, chunk_ids = [], []
+    for k, b in enumerate(blocks):
+        delta, got = t.push(b, final=k == len(blocks) - 1)
+        texts.append(delta)
+        chunk_ids += got
+        if t.stopped:
+            break
+    full = decode_pieces(ids)
+    at = min((full.find(s) for s in stops if s in full), default=None)
+    assert t.text == (full if at is None else full[:at])
+    assert "".join(texts) == t.text and chunk_ids == t.token_ids
+    assert ids[:len(t.token_ids)] == t.token_ids
+    kept = decode_pieces(t.token_ids)
+    assert t.text.startswith(kept)
+    if at is not None:
+        assert t.stopped and not any(s in kept for s in stops)
+        assert len(decode_pieces(ids[:len(t.token_ids) + 1])) > at  # the next id reaches into the stop string
+    else:
+        assert t.token_ids == ids
+
+
+def test_stop_string_in_the_runtime_result(model, tiny_dir):
+    gen = make(model, tiny_dir)
+    kw = dict(eos_token_id=[1], threshold=0.5, max_new_tokens=64)
+    full = gen.generate(PROMPT, **kw)
+    text = full.text
+    stop = next(text[i:i + 3] for i in range(8, len(text) - 3) if text.find(text[i:i + 3]) == i)
+    res = gen.generate(PROMPT, stop=[stop], **kw)
+    at = text.find(stop)
+    assert res.finish_reason == "stop_string" and res.text == text[:at]
+    n = len(res.token_ids)
+    assert full.token_ids[:n] == res.token_ids and res.response_tokens == n
+    assert stop not in gen.tokenizer.decode(res.token_ids) and res.text.startswith(gen.tokenizer.decode(res.token_ids))
+    assert len(gen.tokenizer.decode(full.token_ids[:n + 1])) > at
+    assert res.tokens_per_forward == pytest.approx(n / res.denoise_steps)
