@@ -16,8 +16,11 @@
 Per-request parameters are the fields of `GenerationSettings` (defaults from
 the model's generation_config.json) plus `block_size` (must be the
 engine's). A request that cannot fit the context, or with an out-of-range
-parameter, raises CloverError before any compute. A Generator is driven from
-one thread: every `next()` on a stream (or `wait`) steps all queued requests.
+parameter, raises CloverError before any compute. A request that fails later
+(an exception in its step, see loop.py) leaves the batch alone: its handle's
+`error` is set, iterating or waiting on it raises that CloverError, and the
+other requests go on. A Generator is driven from one thread: every `next()`
+on a stream (or `wait`) steps all queued requests.
 """
 
 from __future__ import annotations
