@@ -180,9 +180,15 @@ def test_request_past_the_checks_fails_at_admission_only(model, tiny_dir):
     gen.step()
     bad = gen.submit(PROMPT, max_new_tokens=8)
     bad.request.end_ids = frozenset({10**6})  # as if built without Generator.submit's checks
+    bad2 = gen.submit(PROMPT, max_new_tokens=8)
+    bad2.request.prefill_ids[2] = -7
+    bad3 = gen.submit(PROMPT, max_new_tokens=8)
+    object.__setattr__(bad3.request.params, "temperature", math.nan)
     b = gen.submit(**dict(GOOD[1]))
-    assert [r.finish_reason for r in gen.wait([a, bad, b], raise_errors=False)] == ["length", "error", "length"]
-    assert "vocabulary" in bad.result.error
+    results = gen.wait([a, bad, bad2, bad3, b], raise_errors=False)
+    assert [r.finish_reason for r in results] == ["length", "error", "error", "error", "length"]
+    assert "end token ids" in bad.result.error and "prompt token ids" in bad2.result.error
+    assert "'temperature'" in bad3.result.error
     assert [a.result.token_ids, b.result.token_ids] == alone
 
 

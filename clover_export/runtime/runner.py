@@ -60,13 +60,17 @@ class Runner:
         """Fresh per-slot state for a newly admitted request (recurrent states zeroed; K/V past
         past_len are never read)."""
         s, settings = req.slot, req.params
+        ends = sorted(req.end_ids)
+        # host-side checks of a request that may have bypassed Generator.submit (an id outside the
+        # vocabulary would fail the whole step, on CUDA with a device-side assert)
+        vocab = self.backend.cfg.vocab_size
+        settings.validate(vocab)
+        for what, ids in (("end token", ends), ("prompt token", req.prompt_ids + req.prefill_ids)):
+            if any(not 0 <= t < vocab for t in ids):
+                raise CloverError("runtime", f"{what} ids are not all in the vocabulary (size {vocab})")
         for name, pool in self.pools.items():
             if not name.endswith((".key", ".value")):
                 pool[s].zero_()
-        ends = sorted(req.end_ids)
-        vocab = self.backend.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in ends):  # a request that bypassed Generator.submit's checks
-            raise CloverError("runtime", f"end token ids {ends} are not all in the vocabulary (size {vocab})")
         if len(ends) > self.end_ids.shape[1]:  # more end tokens than ever before: widen the table
             wider = torch.full((self.end_ids.shape[0], len(ends)), -1, dtype=torch.long, device=self.device)
             wider[:, :self.end_ids.shape[1]] = self.end_ids
