@@ -50,6 +50,7 @@ def test_seeded_request_prefilling_next_to_a_denoising_row(model, tiny_dir):
     assert r.token_ids == alone.token_ids
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(delay=st.integers(0, 12), chunk=st.sampled_from([8, 16, 256]), seeded_first=st.booleans(),
        other_samples=st.booleans())
