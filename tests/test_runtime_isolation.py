@@ -51,7 +51,8 @@ def test_seeded_request_prefilling_next_to_a_denoising_row(model, tiny_dir):
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(delay=st.integers(0, 12), chunk=st.sampled_from([8, 16, 256]), seeded_first=st.booleans(),
        other_samples=st.booleans())
 def test_seeded_tokens_do_not_depend_on_the_batch(model, tiny_dir, delay, chunk, seeded_first, other_samples):
@@ -79,7 +80,8 @@ BAD_PARAMS = [  # (parameters, the name the error must carry); vocabulary size o
     (dict(dllm_think_end_start=-5), "dllm_think_end_start"),
     (dict(dllm_length_penalty_window=0), "dllm_length_penalty_window"),
     (dict(dllm_think_end_window=-1), "dllm_think_end_window"),
-    (dict(dllm_length_penalty=-1.0), "dllm_length_penalty"), (dict(dllm_think_end_bias=math.inf), "dllm_think_end_bias"),
+    (dict(dllm_length_penalty=-1.0), "dllm_length_penalty"),
+    (dict(dllm_think_end_bias=math.inf), "dllm_think_end_bias"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=math.nan), "presence_penalty"),
     (dict(frequency_penalty=-0.1), "frequency_penalty"),
     (dict(max_new_tokens=2.0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),

@@ -188,7 +188,8 @@ class Generator:
         """The model's defaults with per-request overrides, validated (DECODING.md 1.2)."""
         block_size = params.pop("block_size", None)
         if block_size is not None and (isinstance(block_size, bool) or block_size != self.block_size):
-            raise CloverError("generate", f"parameter 'block_size' is {block_size!r}, the engine's is {self.block_size}",
+            raise CloverError("generate",
+                              f"parameter 'block_size' is {block_size!r}, the engine's is {self.block_size}",
                               "block_size is fixed when the model or engine is loaded")
         return self.defaults.override(**params).validate(self.cfg.vocab_size)
 
