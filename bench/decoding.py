@@ -111,7 +111,7 @@ class EvaluatorRunner:
                             threshold, end_ids, max_new_tokens=32)
             for d in outs:
                 text = self.codec.tokenizer.decode([t for t in d.token_ids if t not in end_ids])
-                rows.append((text, len(d.token_ids), d.steps, d.blocks, sum(d.coreset_sizes) / len(d.coreset_sizes)))
+                rows.append((text, len(d.token_ids), d.steps, d.blocks, d.experts_per_block))
         return rows
 
 

@@ -7,6 +7,8 @@ site; `GenerationSettings.validate` rejects out-of-range values up front.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,29 +50,78 @@ class GenerationSettings:
                 changes[key] = tuple(v) if isinstance(v, (list, tuple)) else (v,)
         return dataclasses.replace(self, **changes).validate()
 
-    def validate(self) -> "GenerationSettings":
-        def bad(name: str, why: str) -> CloverError:
-            return CloverError("generate", f"parameter '{name}' {why}, got {getattr(self, name)!r}")
-
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "must be an integer >= 1")
-        if not 0 < self.threshold <= 1:
-            raise bad("threshold", "must be in (0, 1]")
-        if self.temperature <= 0:
-            raise bad("temperature", "must be > 0")
-        if self.top_k < 0:
-            raise bad("top_k", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        for name in ("frequency_penalty", "presence_penalty", "dllm_length_penalty", "dllm_think_end_bias"):
-            if getattr(self, name) < 0:
-                raise bad(name, "must be >= 0")
-        for name in ("dllm_length_penalty_window", "dllm_think_end_window"):
-            if getattr(self, name) <= 0:
-                raise bad(name, "must be > 0")
+    def validate(self, vocab_size: int | None = None) -> "GenerationSettings":
+        """Every field against `RANGES` (types included); token ids against `vocab_size` when given."""
+        for name, allowed in RANGES.items():
+            allowed.check(name, getattr(self, name))
+        if self.seed is not None:
+            SEED_RANGE.check("seed", self.seed)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in self.eos_token_id):
+            raise _bad("eos_token_id", "must be integer token ids", self.eos_token_id)
+        if vocab_size is not None:
+            out = [t for t in self.eos_token_id if not 0 <= t < vocab_size]
+            if out:
+                raise _bad("eos_token_id", f"holds id {out[0]}, outside the vocabulary (size {vocab_size})",
+                           self.eos_token_id)
+        if not all(isinstance(x, str) for x in self.stop):
+            raise _bad("stop", "must be strings", self.stop)
         return self
+
+
+@dataclass(frozen=True)
+class Range:
+    """Accepted values of one scalar parameter: its kind and interval [low, high], or (low, high] when low_open."""
+
+    kind: str  # "int" (an integer), "real" (a finite number) or "bool"
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def describe(self) -> str:
+        if self.kind == "bool":
+            return "true or false"
+        what = "an integer" if self.kind == "int" else "a finite number"
+        if self.high is not None:
+            return f"{what} in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+        return f"{what} {'>' if self.low_open else '>='} {self.low}"
+
+    def check(self, name: str, value: Any) -> None:
+        """CloverError naming the parameter unless `value` is of this kind and inside the interval."""
+        if self.kind == "bool":
+            ok = isinstance(value, bool)
+        else:
+            number = numbers.Integral if self.kind == "int" else numbers.Real
+            ok = (isinstance(value, number) and not isinstance(value, bool) and math.isfinite(value)
+                  and (self.low is None or value > self.low or (value == self.low and not self.low_open))
+                  and (self.high is None or value <= self.high))
+        if not ok:
+            raise _bad(name, f"must be {self.describe()}", value)
+
+
+# The one place for the parameter ranges (DECODING.md 1.2 and 3).
+RANGES: dict[str, Range] = {
+    "max_new_tokens": Range("int", 1),
+    "threshold": Range("real", 0, 1, low_open=True),
+    "do_sample": Range("bool"),
+    "temperature": Range("real", 0, low_open=True),
+    "top_k": Range("int", 0),  # 0 = off
+    "top_p": Range("real", 0, 1, low_open=True),
+    "repetition_penalty": Range("real", 0, low_open=True),
+    "frequency_penalty": Range("real", 0),
+    "presence_penalty": Range("real", 0),
+    "dllm_length_penalty": Range("real", 0),
+    "dllm_length_penalty_start": Range("real", 0),
+    "dllm_length_penalty_window": Range("real", 0, low_open=True),
+    "dllm_think_end_bias": Range("real", 0),
+    "dllm_think_end_start": Range("real", 0),
+    "dllm_think_end_window": Range("real", 0, low_open=True),
+    "enable_thinking": Range("bool"),
+}
+SEED_RANGE = Range("int", 0, 2**64 - 1)  # torch.Generator.manual_seed takes 64-bit seeds; None = random
+
+
+def _bad(name: str, why: str, value: Any) -> CloverError:
+    return CloverError("generate", f"parameter '{name}' {why}, got {value!r}")
 
 
 def load_generation_settings(model_dir: str | Path, eos_fallback: tuple[int, ...] = ()) -> GenerationSettings:

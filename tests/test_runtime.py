@@ -104,7 +104,8 @@ def test_stop_string_cuts_text_and_ends_the_request(model, tiny_dir):
     assert res.finish_reason == "stop_string"
     assert res.text == text[:text.find(stop)]
     assert full.token_ids[:len(res.token_ids)] == res.token_ids
-    assert stop in gen.tokenizer.decode(res.token_ids)  # ids run up to the token completing the stop string
+    kept = gen.tokenizer.decode(res.token_ids)  # ids end before the stop string (DECODING.md 1.5)
+    assert stop not in kept and res.text.startswith(kept)
 
 
 def test_end_token_kept_in_ids_not_in_text(model, tiny_dir):

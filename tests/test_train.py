@@ -13,7 +13,7 @@ from clover_export.tiny import TRAINED_DIR, tiny_config_dict
 from clover_export.tiny import tokenizer_assets as tok
 from clover_export.train import tasks
 from clover_export.train.data import ChatCodec, encode, make_batch
-from clover_export.train.evaluate import load_for_eval, lowconf_step, score
+from clover_export.train.evaluate import NO_CONTROLS, generate, load_for_eval, score
 from clover_export.train.trainer import Batches, TrainSettings, block_loss, new_model, train
 
 SMALL = dict(hidden_size=64, num_hidden_layers=4,
@@ -78,6 +78,18 @@ def test_answers_checked_exactly():
     assert not tasks.is_correct(ex, "3 7 9")
 
 
+def lowconf_step(logits, block, mask, threshold):
+    """One step of the runtime's selector with the evaluator's settings (controls off)."""
+    from clover_export.generation import GenerationSettings
+    from clover_export.runtime.controls import RowParams, param_row
+    from clover_export.runtime.selector import choose, fill
+
+    p = RowParams(torch.tensor([param_row(GenerationSettings(threshold=threshold, **NO_CONTROLS))]))
+    none = torch.zeros(1, 0)
+    tok, conf = choose(logits, none.long(), none, torch.zeros(1, block.shape[1]), p, torch.tensor([[-1]]), mask)
+    return fill(block, tok, conf, p.threshold, mask)[0]
+
+
 def test_lowconf_step_rule():
     """DECODING.md 2: fill every masked position with conf > threshold, else only the most confident."""
     mask, V = 5, 8
@@ -94,6 +106,24 @@ def test_lowconf_step_rule():
     logits[0, 0, 1], logits[0, 0, 2] = 0.0, 0.0  # a tie: p = 0.5
     out = lowconf_step(logits, block, mask, threshold=0.9)
     assert out.tolist() == [[mask, mask, 7, 4]]
+
+
+def test_evaluator_is_the_runtime_loop(tiny_dir):
+    """train.evaluate decodes with the runtime: the same tokens and counts as Generator with the controls off."""
+    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.runtime.generator import Generator
+
+    model, codec = load_for_eval(tiny_dir), ChatCodec(tiny_dir)
+    exs = tasks.heldout_examples()[:3]
+    prompts = [codec.prompt_ids(ex.prompt, False) for ex in exs]
+    ends = [codec.im_end, codec.eot]
+    outs = generate(model, prompts, 0.95, ends, max_new_tokens=40)
+    gen = Generator(TorchBackend(model, tiny_dir), tiny_dir, max_slots=3, prefill_chunk=max(map(len, prompts)))
+    res = gen.wait([gen.submit(prompt_ids=p, threshold=0.95, max_new_tokens=40, eos_token_id=ends, **NO_CONTROLS)
+                    for p in prompts])
+    assert [d.token_ids for d in outs] == [r.token_ids for r in res]
+    assert [(d.steps, d.blocks) for d in outs] == [(r.denoise_steps, r.blocks) for r in res]
+    assert [d.experts_per_block for d in outs] == pytest.approx([r.distinct_experts_per_block for r in res])
 
 
 def test_few_steps_reduce_loss_on_fixed_batch(codec):

@@ -59,7 +59,10 @@ def generate(model, prompts, backend, max_new_tokens, threshold, block_size, no_
     (trt), or left out for the embedded default. Text streams one committed
     block at a time; --json prints, per request, token_ids, text,
     denoise_steps, tokens_per_forward, forwards_per_block,
-    distinct_experts_per_block, prompt_tokens, response_tokens, wall_time_s.
+    distinct_experts_per_block, prompt_tokens, response_tokens, wall_time_s
+    (see `Result` in clover_export/runtime/output.py). A stop string is in
+    neither text nor token_ids (ids end before the token reaching into it);
+    response_tokens and tokens_per_forward count the kept ids only.
     """
     params = dict(max_new_tokens=max_new_tokens, threshold=threshold, seed=seed, temperature=temperature,
                   top_k=top_k, top_p=top_p, stop=list(stop) or None)

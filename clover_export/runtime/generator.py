@@ -16,12 +16,16 @@
 Per-request parameters are the fields of `GenerationSettings` (defaults from
 the model's generation_config.json) plus `block_size` (must be the
 engine's). A request that cannot fit the context, or with an out-of-range
-parameter, raises CloverError before any compute. A Generator is driven from
-one thread: every `next()` on a stream (or `wait`) steps all queued requests.
+parameter, raises CloverError before any compute. A request that fails later
+(an exception in its step, see loop.py) leaves the batch alone: its handle's
+`error` is set, iterating or waiting on it raises that CloverError, and the
+other requests go on. A Generator is driven from one thread: every `next()`
+on a stream (or `wait`) steps all queued requests.
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from pathlib import Path
@@ -70,11 +74,22 @@ class Stream:
     def __iter__(self):
         return self
 
+    @property
+    def error(self) -> CloverError | None:
+        """Why the request failed (its blocks so far were delivered), else None."""
+        err = self.request.error
+        if err is None:
+            return None
+        return CloverError("runtime", f"request {self.request_id} failed: {type(err).__name__}: {err}",
+                           "the other requests went on; its slot is free")
+
     def __next__(self) -> StreamChunk:
         while not self.chunks and not self.done:
             self.gen.step()
         if self.chunks:
             return self.chunks.popleft()
+        if self.request.error is not None:
+            raise self.error from self.request.error
         raise StopIteration
 
     def __enter__(self):
@@ -95,6 +110,9 @@ class Stream:
         return self.result
 
     def _on_block(self, event: BlockEvent) -> None:
+        if event.error is not None:
+            self._finish()
+            return
         delta, ids = self.tracker.push(event.new_tokens, event.finished)
         if self.tracker.stopped and not event.finished:
             self.gen.loop.finish(self.request, "stop_string")
@@ -115,6 +133,7 @@ class Stream:
             tokens_per_forward=len(ids) / req.denoise_steps if req.denoise_steps else 0.0,
             forwards_per_block=s["forwards_per_block"], distinct_experts_per_block=s["distinct_experts_per_block"],
             wall_time_s=time.perf_counter() - self.started, prompt_ids=list(req.prompt_ids),
+            error=str(self.error) if req.error is not None else None,
         )
         self.gen.handles.pop(self.request_id, None)
         return self.result
@@ -139,6 +158,10 @@ class Generator:
         self.block_size = backend.block_size
         self.tokenizer = ChatTokenizer(source_dir)
         self.defaults = load_generation_settings(source_dir, eos_fallback=cfg.eos_token_id)
+        try:
+            self.defaults.validate(cfg.vocab_size)
+        except CloverError as e:
+            raise CloverError("generation_config", f"{Path(source_dir) / 'generation_config.json'}: {e}") from None
         im_end = self.tokenizer.im_end_id
         self.extra_end_ids = frozenset([im_end] if im_end is not None else [])
         self.runner = Runner(backend, max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
@@ -164,10 +187,11 @@ class Generator:
     def settings(self, **params: Any) -> GenerationSettings:
         """The model's defaults with per-request overrides, validated (DECODING.md 1.2)."""
         block_size = params.pop("block_size", None)
-        if block_size is not None and block_size != self.block_size:
-            raise CloverError("generate", f"parameter 'block_size' is {block_size}, the engine's is {self.block_size}",
+        if block_size is not None and (isinstance(block_size, bool) or block_size != self.block_size):
+            raise CloverError("generate",
+                              f"parameter 'block_size' is {block_size!r}, the engine's is {self.block_size}",
                               "block_size is fixed when the model or engine is loaded")
-        return self.defaults.override(**params)
+        return self.defaults.override(**params).validate(self.cfg.vocab_size)
 
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
                    prompt_ids: list[int] | None = None, raw: bool = False, enable_thinking: bool = True) -> list[int]:
@@ -175,6 +199,9 @@ class Generator:
         if sum(given) != 1:
             raise CloverError("generate", "give exactly one of prompt, messages or prompt_ids")
         if prompt_ids is not None:
+            if isinstance(prompt_ids, (str, bytes)) or not all(
+                    isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in prompt_ids):
+                raise CloverError("generate", "parameter 'prompt_ids' must be a list of integer token ids")
             ids = [int(i) for i in prompt_ids]
         elif raw:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -222,9 +249,15 @@ class Generator:
                    for p in prompts]
         return self.wait(handles)
 
-    def wait(self, handles: list[Stream]) -> list[Result]:
+    def wait(self, handles: list[Stream], raise_errors: bool = True) -> list[Result]:
+        """Step until every handle is done. A failed request raises its error once all are done (the
+        others' results stay on their handles), or with raise_errors=False is a Result with
+        finish_reason "error" and `error` set."""
         while not all(h.done for h in handles):
             self.step()
+        failed = next((h for h in handles if h.request.error is not None), None)
+        if failed is not None and raise_errors:
+            raise failed.error from failed.request.error
         return [h.result for h in handles]
 
     def cancel(self, request_id: int) -> None:
@@ -239,5 +272,11 @@ class Generator:
             return
         for event in self.loop.step():
             handle = self.handles.get(event.request.request_id)
-            if handle is not None:
+            if handle is None:
+                continue
+            try:
                 handle._on_block(event)
+            except Exception as e:  # noqa: BLE001 - e.g. decoding its ids: fails this request only
+                if not handle.done:
+                    self.loop.fail(event.request, e)
+                    handle._finish()

@@ -1,6 +1,24 @@
 """The loop: scheduler and runner joined, one step at a time (DECODING.md 1, 4; nano-vllm's `step()`).
 
 It knows neither the backend nor the tokenizer: requests in, resolved blocks out.
+
+Failure isolation (issue 10): an exception fails only the requests it
+concerns; they leave the batch with `finish_reason` "error" and `error` set,
+their slots are freed, and the loop goes on.
+- At admission, `Runner.claim` checks the request's host-side state (a
+  request built past `Generator.submit`'s checks); it fails that request alone.
+- In a step (the backend, or selection on its logits), the exception cannot
+  name its rows. The loop undoes the step (`Runner.snapshot`/`restore`: the
+  GDN states of the causal rows' slots and the sampling rows' generators; the
+  scheduler has not moved on), then re-runs each row alone, undoing each try,
+  and fails the rows that raise alone. The others are stepped again by the
+  next `step()`, so their tokens are those of a run without the failing rows.
+  When no row fails alone (e.g. out of memory at this batch size), every row
+  of the step fails: the loop never retries a failing batch as it was.
+Cost: the snapshot copies the causal rows' GDN states before every step with
+causal rows (the fixed per-sequence cache bytes, `cache_bytes_per_token_and_fixed`),
+and a failed step of B rows costs B single-row retries. A backend left broken
+(e.g. a lost CUDA context) fails every later step too.
 """
 
 from __future__ import annotations
@@ -9,16 +27,17 @@ from dataclasses import dataclass
 
 from clover_export.runtime.request import Request
 from clover_export.runtime.runner import Runner
-from clover_export.runtime.scheduler import Scheduler
+from clover_export.runtime.scheduler import Scheduler, StepPlan
 
 
 @dataclass
 class BlockEvent:
-    """A request's block resolved this step: its response grew by `new_tokens`."""
+    """A request's block resolved this step (its response grew by `new_tokens`), or it failed (`error`)."""
 
     request: Request
     new_tokens: list[int]
     finished: bool
+    error: Exception | None = None
 
 
 class Loop:
@@ -37,17 +56,51 @@ class Loop:
     def finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
 
+    def fail(self, req: Request, error: Exception) -> BlockEvent:
+        """Leave the batch with an error; the slot is free for the next admission."""
+        req.error = error
+        self.scheduler.finish(req, "error")
+        return BlockEvent(req, [], True, error)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[BlockEvent]:
+        events = []
         for req in self.scheduler.admit():
-            self.runner.claim(req)
+            try:
+                self.runner.claim(req)
+            except Exception as e:  # noqa: BLE001 - any failure of one request fails that request only
+                events.append(self.fail(req, e))
         plan = self.scheduler.schedule()
         if plan is None:
-            return []
+            return events
+        snap = self.runner.snapshot(plan)
         before = {id(r): len(r.response) for r in plan.requests}
-        blocks, coreset = self.runner.run(plan)
+        try:
+            blocks, coreset = self.runner.run(plan)
+        except Exception as e:  # noqa: BLE001
+            self.runner.restore(snap)
+            return events + self._isolate(plan, snap, e)
         self.steps += 1
         resolved = self.scheduler.update(plan, blocks, coreset)
-        return [BlockEvent(r, r.response[before[id(r)]:], r.finished) for r in resolved]
+        return events + [BlockEvent(r, r.response[before[id(r)]:], r.finished) for r in resolved]
+
+    def _isolate(self, plan: StepPlan, snap, error: Exception) -> list[BlockEvent]:
+        """The step raised `error` and was undone: fail the rows that raise alone (all when none does)."""
+        failing: list[tuple[Request, Exception]] = []
+        if plan.batch > 1:
+            observer, self.runner.observer = self.runner.observer, None
+            try:
+                for r, req in enumerate(plan.requests):
+                    try:
+                        self.runner.run(plan.subset([r]))
+                    except Exception as e:  # noqa: BLE001
+                        failing.append((req, e))
+                    finally:
+                        self.runner.restore(snap)
+            finally:
+                self.runner.observer = observer
+        if not failing:
+            failing = [(req, error) for req in plan.requests]
+        return [self.fail(req, e) for req, e in failing]

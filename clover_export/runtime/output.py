@@ -17,7 +17,7 @@ class StreamChunk:
 
     request_id: int
     text: str  # text delta (may be empty while held back)
-    token_ids: list[int]  # the block's response token ids
+    token_ids: list[int]  # the block's response token ids (with stop strings: those whose text is in `text` so far)
     finished: bool = False
     result: "Result | None" = None  # set on the last chunk
 
@@ -27,18 +27,20 @@ class Result:
     """A finished request (DECODING.md 4 report)."""
 
     request_id: int
-    token_ids: list[int]  # response ids: cut after the first end token (kept), at max_new_tokens, at a stop string
-    text: str  # response text: without the end token, cut before the first stop string
-    finish_reason: str  # "stop" (end token), "length", "stop_string", "cancelled"
+    token_ids: list[int]  # response ids: cut after the first end token (kept), at max_new_tokens, and before
+    #                       the first token reaching into a stop string (not returned; see TextTracker)
+    text: str  # response text: without the end token, cut right before the first stop string
+    finish_reason: str  # "stop" (end token), "length", "stop_string", "cancelled", "error"
     prompt_tokens: int
-    response_tokens: int
+    response_tokens: int  # len(token_ids)
     denoise_steps: int
     blocks: int
-    tokens_per_forward: float
+    tokens_per_forward: float  # response_tokens (the kept ids) / denoise_steps
     forwards_per_block: float
     distinct_experts_per_block: float
     wall_time_s: float
     prompt_ids: list[int] = field(default_factory=list, repr=False)
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def reasoning(self) -> str:
@@ -59,7 +61,15 @@ class Result:
 
 
 class TextTracker:
-    """Text of one response as blocks arrive; finds stop strings."""
+    """Text and kept ids of one response as blocks arrive; finds stop strings (DECODING.md 1.5).
+
+    A stop string is not returned: `text` ends right before it and `token_ids`
+    before the first token whose text reaches into it. When the stop string
+    starts inside a token, `text` keeps that token's leading characters and
+    `token_ids` drops the token, so `decode(token_ids)` is a prefix of `text`.
+    With stop strings, a chunk's ids are those whose text has been emitted
+    (ids that could still be cut are held back like their text).
+    """
 
     def __init__(self, decode: Callable[[list[int]], str], end_ids: frozenset[int], stop: tuple[str, ...]):
         self.decode = decode
@@ -68,20 +78,19 @@ class TextTracker:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""
-        self.emitted = 0
+        self.emitted = 0  # characters of `text` streamed so far
+        self.emitted_ids = 0  # ids streamed so far
         self.stopped = False  # a stop string was found
 
     def push(self, new_ids: list[int], final: bool) -> tuple[str, list[int]]:
-        """Add a block's response ids; returns (text delta, ids kept of this block)."""
-        start = len(self.token_ids)
+        """Add a block's response ids; returns (text delta, ids delta)."""
         self.token_ids += new_ids
         body = self.token_ids[:-1] if self.token_ids and self.token_ids[-1] in self.end_ids else self.token_ids
         text = self.decode(body)
-        hit = self._find_stop(text, start)
-        if hit is not None:
-            cut_chars, keep_ids = hit
-            text = text[:cut_chars]
-            self.token_ids = self.token_ids[:keep_ids]
+        at = self._find_stop(text)
+        if at is not None:
+            text = text[:at]
+            self.token_ids = self.token_ids[:self._ids_within(text, len(body))]
             self.stopped = final = True
         self.text = text
         safe = len(text) if final else max(self.emitted, len(text) - self.hold)
@@ -89,19 +98,22 @@ class TextTracker:
             safe -= 1
         delta = text[self.emitted:safe]
         self.emitted = safe
-        return delta, self.token_ids[start:]
+        if final or not self.stop:
+            n_ids = len(self.token_ids)
+        else:
+            n_ids = max(self.emitted_ids, self._ids_within(text[:safe], len(body)))
+        ids, self.emitted_ids = self.token_ids[self.emitted_ids:n_ids], n_ids
+        return delta, ids
 
-    def _find_stop(self, text: str, start: int) -> tuple[int, int] | None:
-        """(chars to keep, ids to keep) for the earliest stop string, or None."""
-        if not self.stop:
-            return None
+    def _find_stop(self, text: str) -> int | None:
+        """Character index of the earliest stop string in `text`, or None."""
         found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if not found:
-            return None
-        at = min(found)
-        first = min((s for s in self.stop if text.find(s) == at), key=len)
-        # the ids up to the one whose text completes the stop string
-        for m in range(start + 1, len(self.token_ids) + 1):
-            if first in self.decode(self.token_ids[:m])[at:]:
-                return at, m
-        return at, len(self.token_ids)
+        return min(found) if found else None
+
+    def _ids_within(self, prefix: str, upto: int) -> int:
+        """The most leading ids (at most `upto`) whose decoded text is a prefix of `prefix`."""
+        for m in range(upto, self.emitted_ids, -1):
+            head = self.decode(self.token_ids[:m])
+            if len(head) <= len(prefix) and prefix.startswith(head):
+                return m
+        return self.emitted_ids

@@ -49,6 +49,7 @@ class Request:
     response: list[int] = field(default_factory=list)  # response tokens, cut at end token / max_new_tokens
     counts: Counter = field(default_factory=Counter)  # occurrences of each token in `response`
     finish_reason: str | None = None
+    error: Exception | None = None  # why the request failed (finish_reason "error"); see loop.py
 
     # --- counters (DECODING.md 4 report) ------------------------------------
     denoise_steps: int = 0

@@ -11,11 +11,13 @@ reads back one small int tensor (block tokens and coreset sizes).
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from clover_export import names
+from clover_export.errors import CloverError
 from clover_export.runtime.backends import Backend
 from clover_export.runtime.controls import COLUMNS, RowParams, param_row, thinking_open
 from clover_export.runtime.request import Request
@@ -24,6 +26,18 @@ from clover_export.runtime.selector import choose, fill
 
 # observer(plan, logits [B, N, V]) sees a copy of the raw block logits of every step (tests, debugging)
 Observer = Callable[[StepPlan, torch.Tensor], None]
+STATE_POOLS = (".conv_state", ".recurrent_state")  # the pools a step overwrites below past_len (GDN states)
+
+
+@dataclass
+class Snapshot:
+    """What a step may change that the next try of it reads: the GDN states of its causal rows' slots
+    (block rows never write a cache; K/V are written past past_len only, which no later step reads
+    before rewriting it: STEP_GRAPH.md 1) and the generator state of its sampling rows."""
+
+    slots: torch.Tensor | None
+    states: dict[str, torch.Tensor]
+    generators: dict[int, torch.Tensor]
 
 
 class Runner:
@@ -46,10 +60,17 @@ class Runner:
         """Fresh per-slot state for a newly admitted request (recurrent states zeroed; K/V past
         past_len are never read)."""
         s, settings = req.slot, req.params
+        ends = sorted(req.end_ids)
+        # host-side checks of a request that may have bypassed Generator.submit (an id outside the
+        # vocabulary would fail the whole step, on CUDA with a device-side assert)
+        vocab = self.backend.cfg.vocab_size
+        settings.validate(vocab)
+        for what, ids in (("end token", ends), ("prompt token", req.prompt_ids + req.prefill_ids)):
+            if any(not 0 <= t < vocab for t in ids):
+                raise CloverError("runtime", f"{what} ids are not all in the vocabulary (size {vocab})")
         for name, pool in self.pools.items():
             if not name.endswith((".key", ".value")):
                 pool[s].zero_()
-        ends = sorted(req.end_ids)
         if len(ends) > self.end_ids.shape[1]:  # more end tokens than ever before: widen the table
             wider = torch.full((self.end_ids.shape[0], len(ends)), -1, dtype=torch.long, device=self.device)
             wider[:, :self.end_ids.shape[1]] = self.end_ids
@@ -61,6 +82,23 @@ class Runner:
             self.generators[s] = torch.Generator(device=self.device).manual_seed(seed)
         else:
             self.generators[s] = None
+
+    @torch.inference_mode()
+    def snapshot(self, plan: StepPlan) -> Snapshot:
+        """Copy what `run(plan)` may change (see Snapshot), so that a failed step can be undone."""
+        causal = [plan.slot_ids[r] for r in range(plan.batch) if plan.n_causal[r] > 0]
+        idx = torch.tensor(causal, dtype=torch.long, device=self.device) if causal else None
+        states = {name: pool.index_select(0, idx) for name, pool in self.pools.items()
+                  if idx is not None and name.endswith(STATE_POOLS)}
+        gens = {s: g.get_state() for s in plan.slot_ids if (g := self.generators[s]) is not None}
+        return Snapshot(idx, states, gens)
+
+    @torch.inference_mode()
+    def restore(self, snap: Snapshot) -> None:
+        for name, saved in snap.states.items():
+            self.pools[name].index_copy_(0, snap.slots, saved)
+        for s, state in snap.generators.items():
+            self.generators[s].set_state(state)
 
     def _seen(self, plan: StepPlan) -> tuple[int, list[int], list[int], list[int]]:
         """(K, ids, counts, thinking_open) of the rows' counted tokens, padded to K with (mask_id, 0)."""
@@ -96,7 +134,9 @@ class Runner:
         slots = slot_ids.long()
         n = (base[:, None] + torch.arange(N, device=self.device)).float()
         params = RowParams(self.params.index_select(0, slots))
-        rows = [r for r, req in enumerate(plan.requests) if req.params.do_sample]
+        # only rows with a block draw: a row's generator is consumed by its own denoise steps alone, so a
+        # seeded request gives the same tokens whatever else shares the step (DECODING.md 4)
+        rows = [r for r, req in enumerate(plan.requests) if req.params.do_sample and plan.has_block[r]]
         gens = [self.generators[plan.requests[r].slot] for r in rows]
         tok, conf = choose(logits, seen_ids.long().view(B, K), seen_counts.float().view(B, K), n, params,
                            self.end_ids.index_select(0, slots), self.mask_id, self.think_end_id, think_open != 0,

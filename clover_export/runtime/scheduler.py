@@ -50,6 +50,14 @@ class StepPlan:
     def width(self) -> int:
         return self.causal_rows + self.block_size
 
+    def subset(self, rows: list[int]) -> "StepPlan":
+        """The same step for some batch rows only (same C)."""
+        T = self.width
+        return StepPlan([self.requests[r] for r in rows], self.causal_rows, self.block_size,
+                        [t for r in rows for t in self.input_ids[r * T:(r + 1) * T]],
+                        *([getattr(self, name)[r] for r in rows]
+                          for name in ("n_causal", "has_block", "slot_ids", "past_len", "response_base")))
+
 
 class Scheduler:
     """Slots, admission, per-step layout and state transitions."""

@@ -98,11 +98,10 @@ def write_model_folder(out_dir: Path, state: dict[str, torch.Tensor], config: di
 
 def generate_random_tiny(out_dir: Path, seed: int = 0, dtype=torch.bfloat16, **config_overrides) -> Path:
     """Random-weight tiny Clover folder (deterministic for a seed)."""
-    from clover_export.models import build_model
-    from clover_export.model.model import init_random_
+    from clover_export.model.model import CloverModel, init_random_  # not clover_export.models: it imports us
 
     cfg_dict = tiny_config_dict(**config_overrides)
-    model = init_random_(build_model(config_from_dict(cfg_dict)), seed=seed)
+    model = init_random_(CloverModel(config_from_dict(cfg_dict)), seed=seed)
     state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
     return write_model_folder(out_dir, state, cfg_dict)
 

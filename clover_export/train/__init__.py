@@ -3,6 +3,6 @@
 `tasks` makes the checkable prompts, `data` renders them through the chat
 template into block-diffusion batches (MODEL.md 5.1), `trainer` runs the
 masked-block objective through the reference model with autograd, and
-`evaluate` is a minimal greedy LowConfidence decoder (DECODING.md 2) used to
-score a model on held-out prompts. Run `python -m clover_export.train --help`.
+`evaluate` scores a model on held-out prompts with the runtime's greedy
+LowConfidence loop (DECODING.md 2), on the in-memory model. Run `python -m clover_export.train --help`.
 """

@@ -1,104 +1,73 @@
-"""A minimal greedy LowConfidence block decoder for scoring a model (DECODING.md 2; issue 5).
+"""Score a model on held-out prompts with the runtime's LowConfidence loop (DECODING.md 1-2; issue 5).
 
-Not the runtime: no penalties, no sampling, no streaming. It exists so that
-training can score itself before `clover_export.runtime` is available, and as
-an independent reference for it. Per batch row: the prompt is folded into the
-first denoise step of block 0 (causal rows + block rows in one forward); the
-commit of block b is folded into the first denoise step of block b + 1; a
-block stops once an end token is filled with every position before it filled.
+Greedy decoding through `clover_export.runtime` (scheduler, runner, torch
+backend on the in-memory model), with every control of DECODING.md 3 off
+(the trained model's generation config has them off too): per request the
+prompt is one prefill chunk folded into the first denoise step of block 0,
+the commit of block b is folded into the first denoise step of block b + 1,
+and a block stops once an end token is filled with every position before it
+filled. Needs no model folder, so training can score itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from clover_export.model.model import CloverModel, allocate_pools
+from clover_export.generation import GenerationSettings
+from clover_export.model.model import CloverModel
 from clover_export.train.data import ChatCodec
 from clover_export.train.tasks import Example, is_correct
+
+# greedy LowConfidence with the generation controls off (DECODING.md 3: repetition 1, other strengths 0)
+NO_CONTROLS = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                   dllm_length_penalty=0.0, dllm_think_end_bias=0.0)
 
 
 @dataclass
 class Decoded:
-    token_ids: list[int]  # response, cut after the first end token (kept)
+    token_ids: list[int]  # response, cut after the first end token (kept) and at max_new_tokens
     steps: int  # denoise forwards (the folded prefill / commits included)
     blocks: int
-    coreset_sizes: list[float] = field(default_factory=list)  # per step: |kept set| mean over layers
+    coreset_sum: float = 0.0  # sum over steps of the mean |kept set| over layers
 
     @property
     def tokens_per_forward(self) -> float:
         return len(self.token_ids) / max(self.steps, 1)
 
-
-def _block_done(block: torch.Tensor, mask_id: int, end_ids: torch.Tensor) -> torch.Tensor:
-    """[B, N] -> [B] bool: no masks left, or an end token with every position before it filled."""
-    filled = block != mask_id
-    is_end = torch.isin(block, end_ids) & filled
-    prefix_filled = filled.long().cumprod(dim=1).bool()
-    return filled.all(dim=1) | (is_end & prefix_filled).any(dim=1)
-
-
-@torch.no_grad()
-def lowconf_step(logits: torch.Tensor, block: torch.Tensor, mask_id: int, threshold: float) -> torch.Tensor:
-    """One greedy LowConfidence step on [B, N] blocks (DECODING.md 2; penalties off)."""
-    logits = logits.clone()
-    logits[..., mask_id] = float("-inf")
-    conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)  # first maximum = lowest id on ties
-    masked = block == mask_id
-    conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
-    fill = masked & (conf > threshold)
-    best = conf.argmax(dim=1, keepdim=True)  # lowest index on ties
-    none = ~fill.any(dim=1, keepdim=True) & masked.any(dim=1, keepdim=True)
-    fill = fill | (none & torch.zeros_like(fill).scatter(1, best, True))
-    return torch.where(fill, tok, block)
+    @property
+    def experts_per_block(self) -> float:
+        return self.coreset_sum / max(self.steps, 1)
 
 
 @torch.no_grad()
 def generate(model: CloverModel, prompts: list[list[int]], threshold: float, end_ids: list[int],
              max_new_tokens: int = 32) -> list[Decoded]:
-    """Greedy block decoding of a batch of prompts, all starting from empty caches."""
+    """Greedy block decoding of a batch of prompts through the runtime loop, all stepping together."""
+    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.runtime.loop import Loop
+    from clover_export.runtime.request import Request
+    from clover_export.runtime.runner import Runner
+    from clover_export.runtime.scheduler import Scheduler
+
     cfg, N = model.cfg, model.block_size
     mask_id = cfg.require_mask_token()
-    B = len(prompts)
-    blocks_needed = -(-max_new_tokens // N)
-    L = max(len(p) for p in prompts) + blocks_needed * N
-    pools = list(allocate_pools(cfg, B, L, dtype=model.dtype).values())
-    ends = torch.tensor(end_ids)
-    C = max(len(p) for p in prompts)
-    causal = torch.zeros(B, C, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        causal[i, :len(p)] = torch.tensor(p)
-    n_causal = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
-    past_len = torch.zeros(B, dtype=torch.int32)
-    out = [Decoded([], 0, 0) for _ in prompts]
-    active = torch.ones(B, dtype=torch.bool)
-    slot_ids, has_block = torch.arange(B, dtype=torch.int32), torch.ones(B, dtype=torch.int32)
-    for _ in range(blocks_needed):
-        block = torch.full((B, N), mask_id, dtype=torch.long)
-        done = ~active
-        while not bool(done.all()):
-            ids = torch.cat([causal, block], dim=1)
-            logits, coreset, *pools = model(ids, n_causal, has_block, slot_ids, past_len, *pools)
-            past_len, n_causal, causal = past_len + n_causal, torch.zeros_like(n_causal), causal[:, :0]
-            block = torch.where(done.unsqueeze(1), block, lowconf_step(logits, block, mask_id, threshold))
-            for i in torch.nonzero(~done).flatten().tolist():
-                out[i].steps += 1
-                out[i].coreset_sizes.append(coreset[i].float().mean().item())
-            done = done | _block_done(block, mask_id, ends)
-        for i in torch.nonzero(active).flatten().tolist():
-            out[i].blocks += 1
-            toks = block[i].tolist()
-            hit = [j for j, t in enumerate(toks) if t in end_ids]
-            out[i].token_ids += toks[: hit[0] + 1] if hit else toks
-            if hit or len(out[i].token_ids) >= max_new_tokens:
-                active[i] = False
-                out[i].token_ids = out[i].token_ids[:max_new_tokens]
-        if not bool(active.any()):
-            break
-        causal, n_causal = block, active.to(torch.int32) * N  # commit folded into the next block's first step
-    return out
+    settings = GenerationSettings(threshold=threshold, max_new_tokens=max_new_tokens, eos_token_id=tuple(end_ids),
+                                  **NO_CONTROLS).validate(cfg.vocab_size)
+    longest = max(len(p) for p in prompts)
+    runner = Runner(TorchBackend(model), len(prompts), longest + -(-max_new_tokens // N) * N, mask_id)
+    loop = Loop(Scheduler(len(prompts), N, prefill_chunk=longest), runner)
+    reqs = [Request(list(p), max_new_tokens, frozenset(end_ids), N, mask_id, cfg.block_alignment, params=settings)
+            for p in prompts]
+    for req in reqs:
+        loop.add(req)
+    while loop.has_work():
+        for event in loop.step():
+            if event.error is not None:
+                raise event.error
+    return [Decoded(r.response, r.denoise_steps, r.blocks, r.coreset_sum) for r in reqs]
 
 
 @dataclass
@@ -129,12 +98,11 @@ def score(model: CloverModel, codec: ChatCodec, examples: list[Example], thresho
             decoded.append(d)
     tokens = sum(len(d.token_ids) for d in decoded)
     steps = sum(d.steps for d in decoded)
-    sizes = [c for d in decoded for c in d.coreset_sizes]
     return Score(
         accuracy=100.0 * sum(r[2] for r in results) / len(results),
         tokens_per_forward=tokens / steps,
         forwards_per_block=steps / sum(d.blocks for d in decoded),
-        experts_per_block=sum(sizes) / len(sizes),
+        experts_per_block=sum(d.coreset_sum for d in decoded) / steps,
         results=results,
     )
 
