@@ -129,9 +129,6 @@ class Generator:
         cfg = backend.cfg
         self.backend, self.cfg = backend, cfg
         self.mask_id = cfg.require_mask_token()
-        if cfg.logits_shift:
-            raise CloverError("runtime", f"{cfg.source}: logits_shift is true, which is not supported yet (only false)",
-                              "set \"logits_shift\": false if block position i is predicted by the logits at i")
         if max_slots < 1:
             raise CloverError("runtime", f"max_slots must be >= 1, got {max_slots}")
         limits = [cfg.max_context, backend.max_context] + ([max_context] if max_context else [])
