@@ -151,7 +151,9 @@ class Generator:
         """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once.
 
         backend_options go to the backend: torch takes dtype ("auto", "fp32",
-        "bf16"), device, block_size, allow_qwen; ort takes providers.
+        "bf16"), device, block_size, allow_qwen, threads; ort takes providers, threads
+        (and a model folder or None, exported into the cache on first use). CPU threads
+        follow runtime/threads.py; the caller's torch.get_num_threads() is left as it was.
         """
         be = open_backend(backend, model_or_artifact, **backend_options)
         return cls(be, be.source_dir, max_slots=max_slots, max_context=max_context, prefill_chunk=prefill_chunk,

@@ -47,7 +47,8 @@ class Loop:
         if plan is None:
             return []
         before = {id(r): len(r.response) for r in plan.requests}
-        blocks, coreset = self.runner.run(plan)
+        with self.runner.thread_scope(plan):
+            blocks, coreset = self.runner.run(plan)
         self.steps += 1
         resolved = self.scheduler.update(plan, blocks, coreset)
         return [BlockEvent(r, r.response[before[id(r)]:], r.finished) for r in resolved]

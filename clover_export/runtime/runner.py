@@ -10,6 +10,7 @@ reads back one small int tensor (block tokens and coreset sizes).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Callable
 
@@ -79,6 +80,11 @@ class Runner:
         think = [int(thinking_open(req.params.enable_thinking, self.think_end_id, c))
                  for req, c in zip(plan.requests, seen)]
         return K, ids, counts, think
+
+    def thread_scope(self, plan: StepPlan):
+        """The backend's CPU thread setting for this step (runtime/threads.py), if it has one."""
+        scope = getattr(self.backend, "thread_scope", None)
+        return scope(plan.batch * plan.width) if scope is not None else contextlib.nullcontext()
 
     def _first_from_last_row(self, logits: torch.Tensor, n_causal: torch.Tensor, slot_ids: torch.Tensor) -> None:
         """logits_shift (MODEL.md 5.1): block position 0 is predicted by the slot's last prefix row. A step

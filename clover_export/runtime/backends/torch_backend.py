@@ -24,6 +24,7 @@ from clover_export.model.attention import attention_core_in_place
 from clover_export.model.gdn import gdn_core_in_place
 from clover_export.model.model import CloverModel, Cores, allocate_pools
 from clover_export.models import load_model, resolve_model_dir
+from clover_export.runtime.threads import check_threads, flops_per_row, torch_thread_scope, torch_threads
 
 
 def in_place_cores(base: Cores, read_len: int) -> Cores:
@@ -56,17 +57,19 @@ class TorchBackend:
     name = "torch"
     step_shapes = None  # any C, any batch
 
-    def __init__(self, model: CloverModel, source_dir: Path | None = None):
+    def __init__(self, model: CloverModel, source_dir: Path | None = None, threads: int | None = None):
         self.model = model.eval()
         self.cfg = model.cfg
         self.block_size = model.block_size
         self.max_context = model.cfg.max_context
         self.device = model.lm_head.weight.device
         self.source_dir = Path(source_dir) if source_dir is not None else None
+        self.threads = check_threads(threads)  # explicit CPU threads, else the policy of runtime/threads.py
+        self.row_flops = flops_per_row(self.cfg)
 
     @classmethod
     def load(cls, model=None, *, dtype: str = "auto", device: str | None = None, block_size: int | None = None,
-             allow_qwen: bool = False) -> "TorchBackend":
+             allow_qwen: bool = False, threads: int | None = None) -> "TorchBackend":
         device = check_device(device) if device else default_device()
         if block_size is not None and block_size < 1:
             raise CloverError("runtime", f"block_size must be >= 1, got {block_size}")
@@ -75,7 +78,12 @@ class TorchBackend:
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
         model_dir = resolve_model_dir(model)
         ref = load_model(model_dir, dtype=torch_dtype, allow_qwen=allow_qwen, device=device, block_size=block_size)
-        return cls(ref, model_dir)
+        return cls(ref, model_dir, threads=check_threads(threads))
+
+    def thread_scope(self, rows: int):
+        """torch's CPU threads for a step of `rows` rows, the caller's count restored after (runtime/threads.py)."""
+        n = torch_threads(self.threads, rows * self.row_flops) if self.device.type == "cpu" else None
+        return torch_thread_scope(n)
 
     def allocate_pools(self, num_slots: int, max_len: int) -> dict[str, torch.Tensor]:
         return allocate_pools(self.cfg, num_slots, max_len, dtype=self.model.dtype, device=self.device)
