@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="requests per capacity, interleaved")
     ap.add_argument("--prompt", default="Sort: 3 1 2 9 4")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     args = ap.parse_args()
 
     import torch
@@ -63,13 +65,15 @@ def main() -> int:
     params = dict(threshold=1.0, max_new_tokens=args.steps, eos_token_id=[], stop=[])
     gens, times = {}, {}
     for ctx in args.contexts:  # all pools allocated up front, once
-        gen = gens[ctx] = Generator.load(folder, backend="torch", device="cpu", dtype="fp32", max_slots=1,
-                                         max_context=ctx)
+        gen = gens[ctx] = Generator.load(folder, backend="torch", device=args.device, dtype=args.dtype,
+                                         max_slots=1, max_context=ctx, threads=args.threads)
         times[ctx] = []
 
         def timed(*a, _step=gen.backend.step, _log=times[ctx]):
             t = time.perf_counter()
             out = _step(*a)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
             _log.append(time.perf_counter() - t)
             return out
 
@@ -82,7 +86,7 @@ def main() -> int:
             steps[ctx] = gen.generate(args.prompt, **params).denoise_steps
     rows = [(ctx, statistics.median(times[ctx]), steps[ctx]) for ctx in args.contexts]
     base = rows[0][1]
-    print(f"torch backend, cpu fp32, {torch.get_num_threads()} thread(s), {os.cpu_count()} cores; embedded default; "
+    print(f"torch backend, {args.device} {args.dtype}, {args.threads} thread(s), {os.cpu_count()} cores; embedded default; "
           f"prompt {args.prompt!r}, {args.steps} greedy steps")
     for ctx, med, n in rows:
         print(f"max_context {ctx:>7}: median step {med * 1e3:8.2f} ms  ({med / base:5.2f}x)  "
