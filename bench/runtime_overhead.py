@@ -76,7 +76,7 @@ def main() -> int:
     threads = args.threads or (1 if backend == "ort" else None)
     if threads:
         torch.set_num_threads(threads)
-    opts = {"dtype": args.dtype, "device": args.device} if backend == "torch" else {}
+    opts = {"dtype": args.dtype, "device": args.device, "threads": threads} if backend == "torch" else {}
     gen = Generator.load(path, backend=backend, max_slots=args.batch, max_context=1024, **opts)
     cuda = gen.runner.device.type == "cuda"
 

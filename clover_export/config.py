@@ -192,6 +192,8 @@ def validate(cfg: CloverConfig) -> CloverConfig:
         raise bad("num_experts_per_tok", f"({cfg.num_experts_per_tok}) exceeds num_experts ({cfg.num_experts})")
     if not 0 < cfg.moe_block_coreset_top_p <= 1:
         raise bad("moe_block_coreset_top_p", f"must be in (0, 1], got {cfg.moe_block_coreset_top_p!r}")
+    if not isinstance(cfg.logits_shift, bool):
+        raise bad("logits_shift", f"must be true or false, got {cfg.logits_shift!r}")
     if cfg.block_alignment not in assumed.BLOCK_ALIGNMENTS:
         raise bad("block_alignment", f"is {cfg.block_alignment!r}; expected one of {', '.join(assumed.BLOCK_ALIGNMENTS)}")
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < cfg.vocab_size:

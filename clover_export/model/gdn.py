@@ -3,7 +3,9 @@
 `gdn_core` is the contract of the `clover::BlockGDN` op (STEP_GRAPH.md 2):
 per batch row, C causal rows (the first `n_causal` valid) then N block rows.
 Causal rows advance the slot's conv and recurrent state; block rows read the
-state after them and write nothing.
+state after them and write nothing. `gdn_core` is functional (new pools
+out); `gdn_core_in_place` is the same op updating the rows' slots in place, as
+the runtime runs it (STEP_GRAPH.md 1).
 """
 
 from __future__ import annotations
@@ -80,33 +82,18 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = CHUNK):
     return o.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2), S
 
 
-def gdn_core(
-    mixed_qkv: torch.Tensor,  # [B, T, C_conv] pre-conv projections, model dtype
-    a: torch.Tensor,  # [B, T, Hv]  x W_a^T
-    b: torch.Tensor,  # [B, T, Hv]  x W_b^T
-    conv_w: torch.Tensor,  # [C_conv, K]
-    conv_w_right: torch.Tensor,  # [C_conv, K]  [assumed]
-    A_log: torch.Tensor,  # [Hv]
-    dt_bias: torch.Tensor,  # [Hv]
-    block_scale: torch.Tensor,  # [Hv]  [assumed]
-    block_gate: torch.Tensor,  # [Hv]  [assumed]
-    conv_pool: torch.Tensor,  # [S, C_conv, K-1] model dtype
-    rec_pool: torch.Tensor,  # [S, Hv, dk, dv] fp32
-    slot_ids: torch.Tensor,  # [B]
-    n_causal: torch.Tensor,  # [B]
-    num_k_heads: int,
-    head_k_dim: int,
-    head_v_dim: int,
-    block_size: int,
-):
-    """Returns (o [B, T, Hv, dv] model dtype, new conv_pool, new rec_pool)."""
+def gdn_rows(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate, conv0, s0, n_causal,
+             num_k_heads: int, head_k_dim: int, head_v_dim: int, block_size: int):
+    """The GDN core for the rows' own states conv0 [B, C_conv, K-1], s0 [B, Hv, dk, dv].
+
+    Returns (o [B, T, Hv, dv] model dtype, conv state [B, C_conv, K-1], recurrent state [B, Hv, dk, dv] fp32)
+    after the causal rows.
+    """
     dtype = mixed_qkv.dtype
     T = mixed_qkv.shape[1]
     Tc, Hv = T - block_size, A_log.shape[0]
     rep = Hv // num_k_heads  # v-head j uses k-head floor(j * Hk / Hv)
-    slot_ids = slot_ids.long()
-    conv0 = conv_pool.index_select(0, slot_ids)
-    s0 = rec_pool.index_select(0, slot_ids).float()
+    s0 = s0.float()
     beta = torch.sigmoid(b)  # model dtype, as upstream
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias)  # fp32
 
@@ -133,6 +120,47 @@ def gdn_core(
         q_b, k_b, v_b = qkv(x_b, scale_q=False)
         o_b = assumed.block_mixer(q_b, k_b, v_b, beta[:, Tc:].float(), g[:, Tc:], s1, block_scale, block_gate)
         o = torch.cat([o, o_b.to(dtype)], dim=1)
+    return o, conv1, s1
+
+
+def gdn_core(
+    mixed_qkv: torch.Tensor,  # [B, T, C_conv] pre-conv projections, model dtype
+    a: torch.Tensor,  # [B, T, Hv]  x W_a^T
+    b: torch.Tensor,  # [B, T, Hv]  x W_b^T
+    conv_w: torch.Tensor,  # [C_conv, K]
+    conv_w_right: torch.Tensor,  # [C_conv, K]  [assumed]
+    A_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    block_scale: torch.Tensor,  # [Hv]  [assumed]
+    block_gate: torch.Tensor,  # [Hv]  [assumed]
+    conv_pool: torch.Tensor,  # [S, C_conv, K-1] model dtype
+    rec_pool: torch.Tensor,  # [S, Hv, dk, dv] fp32
+    slot_ids: torch.Tensor,  # [B]
+    n_causal: torch.Tensor,  # [B]
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    block_size: int,
+):
+    """Returns (o [B, T, Hv, dv] model dtype, new conv_pool, new rec_pool)."""
+    slot_ids = slot_ids.long()
+    o, conv1, s1 = gdn_rows(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate,
+                            conv_pool.index_select(0, slot_ids), rec_pool.index_select(0, slot_ids), n_causal,
+                            num_k_heads, head_k_dim, head_v_dim, block_size)
     new_conv = conv_pool.index_copy(0, slot_ids, conv1.to(conv_pool.dtype))
     new_rec = rec_pool.index_copy(0, slot_ids, s1.to(rec_pool.dtype))
     return o, new_conv, new_rec
+
+
+def gdn_core_in_place(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate, conv_pool,
+                      rec_pool, slot_ids, n_causal, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                      block_size: int):
+    """`gdn_core` updating the pools in place: reads and rewrites only the rows' slots' states
+    (B x (C_conv x (K-1) + Hv x dk x dv) elements, nothing that grows with the context)."""
+    slot_ids = slot_ids.long()
+    o, conv1, s1 = gdn_rows(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate,
+                            conv_pool.index_select(0, slot_ids), rec_pool.index_select(0, slot_ids), n_causal,
+                            num_k_heads, head_k_dim, head_v_dim, block_size)
+    conv_pool.index_copy_(0, slot_ids, conv1.to(conv_pool.dtype))
+    rec_pool.index_copy_(0, slot_ids, s1.to(rec_pool.dtype))
+    return o, conv_pool, rec_pool

@@ -198,10 +198,28 @@ class CloverModel(nn.Module):
     def forward(self, input_ids, n_causal, has_block, slot_ids, past_len, *pools):
         """input_ids [B, T] (C causal rows then block_size block rows); pools in `names.pool_names` order.
 
-        Returns (logits [B, N, V] fp32, coreset_size [B, layers] int32, *new pools).
+        Returns (logits [B, N, V] fp32, coreset_size [B, layers] int32, *new pools). Row i of the logits
+        predicts block position i; with `logits_shift` see `predicting_rows`.
         """
         h, coreset_size, new_pools = self.trunk(input_ids, n_causal, has_block, slot_ids, past_len, *pools)
-        return (self.logits(h[:, h.shape[1] - self.block_size:]), coreset_size, *new_pools)
+        return (self.logits(self.predicting_rows(h, n_causal)), coreset_size, *new_pools)
+
+    def predicting_rows(self, h: torch.Tensor, n_causal: torch.Tensor) -> torch.Tensor:
+        """The hidden rows [B, N, D] whose logits predict the block's positions (MODEL.md 5.1).
+
+        Unshifted: the block rows. `logits_shift`: position i is predicted by the row before it, so
+        block rows 0..N-2 predict positions 1..N-1 and position 0 comes from the last prefix row: the
+        last valid causal row when the step has causal rows (prefill end, commit), else a placeholder
+        (block row 0) that the runtime replaces by the row it kept per slot (runtime/runner.py).
+        """
+        N = self.block_size
+        Tc = h.shape[1] - N
+        if not self.cfg.logits_shift:
+            return h[:, Tc:]
+        n = n_causal.long()
+        first = torch.where(n > 0, n - 1, torch.full_like(n, Tc))  # [B]
+        idx = torch.cat([first.unsqueeze(1), Tc + torch.arange(N - 1, device=h.device).expand(h.shape[0], -1)], 1)
+        return torch.gather(h, 1, idx.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(rms_norm(h, self.model.norm.weight, self.cfg.rms_norm_eps)).float()

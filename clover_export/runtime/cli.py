@@ -19,13 +19,15 @@ def _backend_for(model: str | None, backend: str | None) -> str:
     return "ort" if is_artifact(model) else "torch"
 
 
-def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen=False, max_slots=4):
+def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen=False, max_slots=4, threads=None):
     from clover_export.runtime import Generator
 
     backend = _backend_for(model, backend)
     opts = {}
     if backend == "torch":
-        opts = dict(dtype=dtype, device=device, block_size=block_size, allow_qwen=allow_qwen)
+        opts = dict(dtype=dtype, device=device, block_size=block_size, allow_qwen=allow_qwen, threads=threads)
+    elif backend == "ort":
+        opts = dict(threads=threads)
     return Generator.load(model, backend=backend, max_slots=max_slots, **opts)
 
 
@@ -34,7 +36,8 @@ def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen
 @click.option("--prompt", "prompts", multiple=True, required=True,
               help="Prompt text (chat template applied unless --raw). Repeat for a batch.")
 @click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), default=None,
-              help="Engine to run: torch (reference model), ort (exported artifact), trt (TensorRT engine). "
+              help="Engine to run: torch (reference model), ort (exported artifact; a model folder is exported "
+                   "into the cache on first use), trt (TensorRT engine). "
                    "Default: ort for an artifact folder (it has manifest.json), torch otherwise.")
 @click.option("--max-new-tokens", type=int, default=None, help="Hard limit on response tokens.")
 @click.option("--threshold", type=float, default=None, help="LowConfidence threshold in (0, 1].")
@@ -50,9 +53,12 @@ def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen
 @click.option("--raw", is_flag=True, help="Tokenise the prompt as is, without the chat template.")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", help="torch backend dtype.")
 @click.option("--device", default=None, help="torch backend device (default: cuda if available, else cpu).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads (torch intra-op, or ONNX Runtime intra-op). Default: OMP_NUM_THREADS if set, "
+                   "else sized from the work (the embedded default runs on one).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per request instead of streaming text.")
 def generate(model, prompts, backend, max_new_tokens, threshold, block_size, no_think, seed, sample, temperature,
-             top_k, top_p, stop, raw, dtype, device, as_json):
+             top_k, top_p, stop, raw, dtype, device, threads, as_json):
     """Generate with block diffusion (LowConfidence decoding) from MODEL.
 
     MODEL is a model folder, an exported artifact folder (ort), an engine
@@ -72,7 +78,7 @@ def generate(model, prompts, backend, max_new_tokens, threshold, block_size, no_
         params["do_sample"] = True
     backend = _backend_for(model, backend)
     gen = _load(model, backend, block_size=block_size if backend == "torch" else None, dtype=dtype, device=device,
-                max_slots=max(1, min(len(prompts), 16)))
+                max_slots=max(1, min(len(prompts), 16)), threads=threads)
     if block_size is not None:
         params["block_size"] = block_size
     handles = [gen.submit(p, raw=raw, **params) for p in prompts]  # all checked before any compute

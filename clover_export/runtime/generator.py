@@ -148,9 +148,6 @@ class Generator:
         cfg = backend.cfg
         self.backend, self.cfg = backend, cfg
         self.mask_id = cfg.require_mask_token()
-        if cfg.logits_shift:
-            raise CloverError("runtime", f"{cfg.source}: logits_shift is true, which is not supported yet (only false)",
-                              "set \"logits_shift\": false if block position i is predicted by the logits at i")
         if max_slots < 1:
             raise CloverError("runtime", f"max_slots must be >= 1, got {max_slots}")
         limits = [cfg.max_context, backend.max_context] + ([max_context] if max_context else [])
@@ -177,7 +174,9 @@ class Generator:
         """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once.
 
         backend_options go to the backend: torch takes dtype ("auto", "fp32",
-        "bf16"), device, block_size, allow_qwen; ort takes providers.
+        "bf16"), device, block_size, allow_qwen, threads; ort takes providers, threads
+        (and a model folder or None, exported into the cache on first use). CPU threads
+        follow runtime/threads.py; the caller's torch.get_num_threads() is left as it was.
         """
         be = open_backend(backend, model_or_artifact, **backend_options)
         return cls(be, be.source_dir, max_slots=max_slots, max_context=max_context, prefill_chunk=prefill_chunk,

@@ -78,7 +78,8 @@ class Loop:
         snap = self.runner.snapshot(plan)
         before = {id(r): len(r.response) for r in plan.requests}
         try:
-            blocks, coreset = self.runner.run(plan)
+            with self.runner.thread_scope(plan):
+                blocks, coreset = self.runner.run(plan)
         except Exception as e:  # noqa: BLE001
             self.runner.restore(snap)
             return events + self._isolate(plan, snap, e)

@@ -10,6 +10,7 @@ reads back one small int tensor (block tokens and coreset sizes).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -53,6 +54,9 @@ class Runner:
             self.end_ids = torch.full((num_slots, 4), -1, dtype=torch.long, device=self.device)
             self.params = torch.zeros(num_slots, len(COLUMNS), dtype=torch.float32, device=self.device)
         self.generators: list[torch.Generator | None] = [None] * num_slots
+        # logits_shift: per slot, the logits of its last prefix row (they predict block position 0)
+        self.last_row = (torch.zeros(num_slots, backend.cfg.vocab_size, dtype=torch.float32, device=self.device)
+                         if backend.cfg.logits_shift else None)
         self.observer: Observer | None = None
 
     @torch.inference_mode()
@@ -71,6 +75,8 @@ class Runner:
         for name, pool in self.pools.items():
             if not name.endswith((".key", ".value")):
                 pool[s].zero_()
+        if self.last_row is not None:
+            self.last_row[s].zero_()
         if len(ends) > self.end_ids.shape[1]:  # more end tokens than ever before: widen the table
             wider = torch.full((self.end_ids.shape[0], len(ends)), -1, dtype=torch.long, device=self.device)
             wider[:, :self.end_ids.shape[1]] = self.end_ids
@@ -113,6 +119,20 @@ class Runner:
                  for req, c in zip(plan.requests, seen)]
         return K, ids, counts, think
 
+    def thread_scope(self, plan: StepPlan):
+        """The backend's CPU thread setting for this step (runtime/threads.py), if it has one."""
+        scope = getattr(self.backend, "thread_scope", None)
+        return scope(plan.batch * plan.width) if scope is not None else contextlib.nullcontext()
+
+    def _first_from_last_row(self, logits: torch.Tensor, n_causal: torch.Tensor, slot_ids: torch.Tensor) -> None:
+        """logits_shift (MODEL.md 5.1): block position 0 is predicted by the slot's last prefix row. A step
+        with causal rows computed it (the graph's logits row 0, `CloverModel.predicting_rows`): keep it;
+        a step without them gets the kept row."""
+        slots = slot_ids.long()
+        row = torch.where((n_causal != 0).unsqueeze(1), logits[:, 0], self.last_row.index_select(0, slots))
+        self.last_row.index_copy_(0, slots, row)
+        logits[:, 0] = row
+
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[list[list[int]], list[float]]:
         """One step: returns each row's block tokens after it and its mean coreset size over layers."""
@@ -126,6 +146,8 @@ class Runner:
         inputs = {names.INPUT_IDS: ids.view(B, T), names.N_CAUSAL: n_causal, names.HAS_BLOCK: has_block,
                   names.SLOT_IDS: slot_ids, names.PAST_LEN: past_len}
         logits, coreset, self.pools = self.backend.step(inputs, self.pools)
+        if self.last_row is not None:
+            self._first_from_last_row(logits, n_causal, slot_ids)
         if self.observer is not None:
             self.observer(plan, logits.clone())
         if not any(plan.has_block):  # prefill or commit rows only: nothing to select, nothing to read

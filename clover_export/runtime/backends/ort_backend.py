@@ -15,6 +15,9 @@ import torch
 from clover_export import names
 from clover_export.errors import CloverError
 from clover_export.model.model import allocate_pools
+from clover_export.models import DEFAULT_MODEL
+from clover_export.runtime.threads import (check_threads, flops_per_row, ort_threads, torch_thread_scope,
+                                           torch_threads)
 
 # torch dtype -> ONNX TensorProto element type
 _ONNX_TYPES = {torch.float32: 1, torch.int32: 6, torch.int64: 7, torch.bool: 9, torch.float16: 10,
@@ -44,6 +47,13 @@ def pool_len(manifest: dict, default: int) -> int:
     return min(max(lens), default) if lens else default
 
 
+def _is_model(path) -> bool:
+    """The embedded default or a model folder (config.json, no manifest.json), not an exported artifact."""
+    if path is None or str(path) == DEFAULT_MODEL:
+        return True
+    return (Path(path) / "config.json").is_file() and not (Path(path) / "manifest.json").is_file()
+
+
 class OrtBackend:
     name = "ort"
     step_shapes = None  # the graph's dims are symbolic: any C, any batch
@@ -61,24 +71,39 @@ class OrtBackend:
         self.io = session.io_binding()
         self.spare: dict[str, torch.Tensor] | None = None  # the other pool set (present.* go there)
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.threads: int | None = None  # explicit thread count, else the policy of runtime/threads.py
 
     @classmethod
-    def load(cls, artifact=None, *, providers: list | None = None) -> "OrtBackend":
+    def load(cls, artifact=None, *, providers: list | None = None, threads: int | None = None) -> "OrtBackend":
+        """An exported artifact folder; or a model folder / None / "tiny", exported (fp32) into the cache
+        on first use (runtime/ort_cache.py). `threads`: intra-op threads (runtime/threads.py)."""
         try:
             from clover_export.exporter import load_artifact, ort_session
         except ImportError:
             raise CloverError("runtime", "the ONNX exporter is not available in this installation",
                               "use --backend torch") from None
-        if artifact is None:
-            raise CloverError("runtime", "the ort backend needs an exported artifact folder",
-                              "run `clover-export export MODEL OUT` first and pass OUT")
         import onnxruntime as ort
 
+        threads = check_threads(threads)
+        if _is_model(artifact):
+            from clover_export.runtime.ort_cache import exported_artifact
+
+            artifact = exported_artifact(artifact)
         art = load_artifact(artifact)
         so = ort.SessionOptions()
-        # ORT's pool threads spin after each run by default, starving the selection that follows on the same cores
+        # ORT's pool threads spin after each run by default, starving other processes and the selection that
+        # follows on the same cores
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        return cls(art, ort_session(art, providers=providers, session_options=so))
+        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        so.intra_op_num_threads = ort_threads(threads, flops_per_row(art.config) * 2 * art.block_size)
+        so.inter_op_num_threads = 1
+        backend = cls(art, ort_session(art, providers=providers, session_options=so))
+        backend.threads = threads
+        return backend
+
+    def thread_scope(self, rows: int):
+        """torch threads for the runner's selection around a step (ONNX Runtime has its own)."""
+        return torch_thread_scope(torch_threads(self.threads, 0.0))
 
     def allocate_pools(self, num_slots: int, max_len: int) -> dict[str, torch.Tensor]:
         if max_len > self.max_context:

@@ -1,47 +1,36 @@
 """The `torch` backend: the reference `CloverModel`, on CPU or CUDA, caches updated in place.
 
-The model's cores compute new pools functionally; here they are wrapped so
-that each core sees only the step's slots and the result is written back into
-the runtime's pools in place (`index_copy_`), so no step copies the whole
-pool.
+The model's own cores are functional (they are the op contracts the ONNX
+bodies and Triton kernels are tested against). For a step the backend swaps
+in their in-place twins (STEP_GRAPH.md 1), given the slot ids the model passes:
+- attention writes each row's n_causal new K/V positions into its slot and
+  reads positions < read_len of the rows' slots, read_len = max(past_len +
+  n_causal) over the step's rows (one host read per step): a view for one row,
+  a gather of B x Hkv x read_len x hd for several;
+- GDN reads and rewrites the rows' conv and recurrent states (fixed size).
+Nothing per step grows with the pools' capacity (max_context).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from clover_export import names
 from clover_export.errors import CloverError
+from clover_export.model.attention import attention_core_in_place
+from clover_export.model.gdn import gdn_core_in_place
 from clover_export.model.model import CloverModel, Cores, allocate_pools
 from clover_export.models import load_model, resolve_model_dir
+from clover_export.runtime.threads import check_threads, flops_per_row, torch_thread_scope, torch_threads
 
 
-def _local(slot_ids: torch.Tensor) -> torch.Tensor:
-    return torch.arange(slot_ids.shape[0], dtype=slot_ids.dtype, device=slot_ids.device)
-
-
-def in_place_cores(base: Cores) -> Cores:
-    """Cores that update the slot pools in place and return them."""
-
-    def gdn(*args):
-        conv_pool, rec_pool, slot_ids = args[9], args[10], args[11]
-        idx = slot_ids.long()
-        o, conv, rec = base.gdn(*args[:9], conv_pool.index_select(0, idx), rec_pool.index_select(0, idx),
-                                _local(slot_ids), *args[12:])
-        conv_pool.index_copy_(0, idx, conv)
-        rec_pool.index_copy_(0, idx, rec)
-        return o, conv_pool, rec_pool
-
-    def attention(q, k, v, key_pool, value_pool, slot_ids, *rest):
-        idx = slot_ids.long()
-        o, keys, vals = base.attention(q, k, v, key_pool.index_select(0, idx), value_pool.index_select(0, idx),
-                                       _local(slot_ids), *rest)
-        key_pool.index_copy_(0, idx, keys)
-        value_pool.index_copy_(0, idx, vals)
-        return o, key_pool, value_pool
-
-    return Cores(gdn=gdn, attention=attention, moe=base.moe)
+def in_place_cores(base: Cores, read_len: int) -> Cores:
+    """The model's cores with attention and GDN updating the slot pools in place (MoE as given);
+    attention reads the first `read_len` positions of each row's slot."""
+    return Cores(gdn=gdn_core_in_place, attention=partial(attention_core_in_place, read_len=read_len), moe=base.moe)
 
 
 def default_device() -> str:
@@ -68,18 +57,19 @@ class TorchBackend:
     name = "torch"
     step_shapes = None  # any C, any batch
 
-    def __init__(self, model: CloverModel, source_dir: Path | None = None):
+    def __init__(self, model: CloverModel, source_dir: Path | None = None, threads: int | None = None):
         self.model = model.eval()
         self.cfg = model.cfg
         self.block_size = model.block_size
         self.max_context = model.cfg.max_context
         self.device = model.lm_head.weight.device
         self.source_dir = Path(source_dir) if source_dir is not None else None
-        self.cores = in_place_cores(model.cores)
+        self.threads = check_threads(threads)  # explicit CPU threads, else the policy of runtime/threads.py
+        self.row_flops = flops_per_row(self.cfg)
 
     @classmethod
     def load(cls, model=None, *, dtype: str = "auto", device: str | None = None, block_size: int | None = None,
-             allow_qwen: bool = False) -> "TorchBackend":
+             allow_qwen: bool = False, threads: int | None = None) -> "TorchBackend":
         device = check_device(device) if device else default_device()
         if block_size is not None and block_size < 1:
             raise CloverError("runtime", f"block_size must be >= 1, got {block_size}")
@@ -88,14 +78,21 @@ class TorchBackend:
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
         model_dir = resolve_model_dir(model)
         ref = load_model(model_dir, dtype=torch_dtype, allow_qwen=allow_qwen, device=device, block_size=block_size)
-        return cls(ref, model_dir)
+        return cls(ref, model_dir, threads=check_threads(threads))
+
+    def thread_scope(self, rows: int):
+        """torch's CPU threads for a step of `rows` rows, the caller's count restored after (runtime/threads.py)."""
+        n = torch_threads(self.threads, rows * self.row_flops) if self.device.type == "cpu" else None
+        return torch_thread_scope(n)
 
     def allocate_pools(self, num_slots: int, max_len: int) -> dict[str, torch.Tensor]:
         return allocate_pools(self.cfg, num_slots, max_len, dtype=self.model.dtype, device=self.device)
 
     @torch.inference_mode()
     def step(self, inputs, pools):
-        saved, self.model.cores = self.model.cores, self.cores
+        read_len = int((inputs[names.PAST_LEN].long() + inputs[names.N_CAUSAL].long()).max())
+        saved = self.model.cores
+        self.model.cores = in_place_cores(saved, read_len)
         try:
             return self.model.step(inputs, pools)
         finally:
