@@ -49,6 +49,7 @@ class ServeOptions:
     served_model_name: str | None = None
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 600.0
+    wait_until_loaded: bool = False  # startup waits for the engine (Ray replicas); else /health says 503 meanwhile
 
     @property
     def model_id(self) -> str:
@@ -74,6 +75,10 @@ def build_app(options: ServeOptions) -> FastAPI:
         state.metrics = Metrics()
         state.engine = Engine(options.load_generator, options.max_batch + options.max_queue, state.metrics)
         state.engine.start()
+        if options.wait_until_loaded:
+            await asyncio.to_thread(state.engine.wait_ready, 3600)
+            if state.engine.load_error:
+                raise RuntimeError(f"the engine failed to load: {state.engine.load_error}")
         yield
         state.engine.stop()
 
