@@ -25,7 +25,8 @@ from clover_export.serve.adapter import TextSplit
 from clover_export.serve.app import ServeOptions, build_app
 
 MODEL_ID = "clover-tiny"
-SLOW = {"threshold": 1.0}  # one position per step: a long request stays in the batch for many steps
+# about one token per step and no end token: stays in the batch for ~1000 steps unless cancelled
+LONG = {"model": "clover-tiny", "prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 1000, "threshold": 1.0}
 
 
 def free_port() -> int:
@@ -75,12 +76,26 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+class Reference:
+    """The Python API, one request at a time: what each HTTP request must return (memoised)."""
+
+    def __init__(self):
+        from clover_export.runtime import Generator
+
+        self.gen = Generator.load(None, max_slots=1)
+        self.tokenizer = self.gen.tokenizer
+        self.memo = {}
+
+    def generate(self, prompt=None, **kw):
+        key = json.dumps([prompt, kw], sort_keys=True)
+        if key not in self.memo:
+            self.memo[key] = self.gen.generate(prompt, **kw)
+        return self.memo[key]
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
-    """The Python API, one request at a time: what each HTTP request must return."""
-    from clover_export.runtime import Generator
-
-    return Generator.load(None, max_slots=1)
+    return Reference()
 
 
 def engine(server):
@@ -323,7 +338,7 @@ def test_queue_full_is_503_with_retry_after(server):
     saved = eng.max_pending
     eng.max_pending = 1
     try:
-        long = {"model": MODEL_ID, "prompt": "What is 7 + 8?", "max_tokens": 1000, "stream": True, **SLOW}
+        long = {**LONG, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60):
             # headers come once the engine accepted the long request: it holds the only place
             busy = post(server, "/v1/chat/completions", CHAT)
@@ -337,25 +352,27 @@ def test_queue_full_is_503_with_retry_after(server):
 
 # --- lifecycle (SERVING.md 3) -----------------------------------------------------------------------------------
 def test_abandoned_stream_frees_the_row_and_server_stays_healthy(server, client, reference):
-    long = {"model": MODEL_ID, "prompt": "What is 7 + 8?", "max_tokens": 1000, "stream": True, **SLOW}
-    with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
         assert running_soon(server)
+        row = engine(server).gen.loop.scheduler.running[0]
     # the client is gone: the row leaves the batch (it would run ~1000 steps otherwise)
     assert wait_idle(server, timeout=10)
+    assert row.finish_reason == "cancelled" and len(row.response) < 1000
     assert httpx.get(server.url + "/health").status_code == 200
     out = client.completions.create(model=MODEL_ID, prompt="The answer is", max_tokens=40)
     assert out.choices[0].text == reference.generate("The answer is", raw=True, max_new_tokens=40).text
 
 
 def test_abandoned_non_streaming_request_is_cancelled(server):
-    long = {"model": MODEL_ID, "prompt": "What is 7 + 8?", "max_tokens": 1000, **SLOW}
     with ThreadPoolExecutor(1) as pool:
-        gone = pool.submit(httpx.post, server.url + "/v1/completions", json=long, timeout=httpx.Timeout(60, read=4))
+        gone = pool.submit(httpx.post, server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(60, read=2))
         assert running_soon(server)
+        row = engine(server).gen.loop.scheduler.running[0]
         with pytest.raises(httpx.ReadTimeout):
             gone.result()
     assert wait_idle(server, timeout=10)
+    assert row.finish_reason == "cancelled" and len(row.response) < 1000
 
 
 def test_a_request_failing_in_the_engine_fails_alone(server, client, reference, monkeypatch):
