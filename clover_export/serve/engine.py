@@ -179,9 +179,13 @@ class Engine:
 
     def _drop(self, job: Job, error: Exception | None) -> None:
         """Cancel (error None) or fail one request; its slot is free for the next step."""
-        if job.handle is None:  # cancelled before admission
-            if job in self._inbox:
-                self._inbox.remove(job)
+        if job.handle is None:  # not admitted: still queued (cancelled early), or already refused
+            with self._cond:
+                queued = job in self._inbox
+                if queued:
+                    self._inbox.remove(job)
+            if queued:
+                self._release(job, "error", error or CloverError("serve", "cancelled before it started"))
             return
         if job.handle.request_id not in self._jobs:
             return
