@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -466,8 +466,14 @@ def test_health_is_503_until_loaded_and_stepped():
 
 
 # --- the streaming text split -----------------------------------------------------------------------------------
-@given(st.lists(st.text(alphabet=st.sampled_from(list(" \nab</think>")), max_size=6), max_size=8), st.booleans())
+FRAGMENTS = st.sampled_from([" ", "\n", "a", "b", "<", "</", "th", "ink", ">", "</think>", "</th"])
+
+
+@given(st.lists(st.lists(FRAGMENTS, max_size=4).map("".join), max_size=8), st.booleans())
+@example(["a</th", "ink>b"], True)  # `</think>` split across two blocks
+@example(["\n</think>\n\n2 ", "3 ", " "], True)
 def test_text_split_deltas_sum_to_the_final_split(pieces, thinking):
+    """Streamed reasoning/content deltas add up to the non-streaming split, whatever the block boundaries."""
     split = TextSplit(thinking)
     sent = ["", ""]
     for i, piece in enumerate(pieces + [""]):
