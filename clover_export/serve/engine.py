@@ -174,7 +174,9 @@ class Engine:
             if job.first_block is None:
                 job.first_block = time.perf_counter()
             job.post("block", chunk)
-        if h.done:
+        if h.done and h.result.finish_reason == "error":  # a runtime that isolates a failing row reports it so
+            self._release(job, "error", RuntimeError(getattr(h.result, "error", None) or "the request failed"))
+        elif h.done:
             self._release(job, "done", h.result)
 
     def _drop(self, job: Job, error: Exception | None) -> None:
