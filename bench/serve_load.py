@@ -1,9 +1,9 @@
 """Load on `clover-export serve`: N concurrent streaming clients vs the Generator called directly (SERVING.md; issue 13).
 
-    python bench/serve_load.py [MODEL] [--requests 24] [--concurrency 1,8,32] [--max-tokens 64]
+    python bench/serve_load.py [MODEL] [--requests 24] [--concurrency 1,8,32] [--max-tokens 64] [--rounds 2]
 
-For each concurrency c, the same fixed list of greedy requests runs twice,
-side by side in time: (1) over HTTP against a `clover-export serve`
+For each concurrency c, the same fixed list of greedy requests runs both
+ways, alternating A B B A (--rounds) so that load drift cancels: (1) over HTTP against a `clover-export serve`
 subprocess, c streaming clients (closed loop: a client sends its next
 request when the previous one ends); (2) in this process with the Python
 API, c requests in flight. Printed: requests/s, time to first block p50/p99,
@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="direct/server alternations (A B B A ...) per level")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     max_batch = max(levels)
@@ -149,14 +150,22 @@ def main():
     try:
         for c in levels:
             jobs = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-            direct, d_wall = run_direct(gen, jobs, c, args.max_tokens)
-            served, s_wall = asyncio.run(run_http(url, jobs, c, args.max_tokens))
+            direct, served, d_wall, s_wall = [], [], 0.0, 0.0
+            for r in range(args.rounds):  # A B B A ...: a load drift on the shared machine cancels out
+                for side in ("direct", "served") if r % 2 == 0 else ("served", "direct"):
+                    if side == "direct":
+                        outs, wall = run_direct(gen, jobs, c, args.max_tokens)
+                        direct, d_wall = direct + outs, d_wall + wall
+                    else:
+                        outs, wall = asyncio.run(run_http(url, jobs, c, args.max_tokens))
+                        served, s_wall = served + outs, s_wall + wall
+            n = len(jobs) * args.rounds
             bad = sum(a.text != b.text or a.tokens != b.tokens for a, b in zip(direct, served))
             lat_s = statistics.mean(o.latency for o in served)
             lat_d = statistics.mean(o.latency for o in direct)
             tokens = sum(o.tokens for o in served)
             rows.append(dict(
-                concurrency=c, requests=len(jobs), req_per_s=len(jobs) / s_wall, direct_req_per_s=len(jobs) / d_wall,
+                concurrency=c, requests=n, req_per_s=n / s_wall, direct_req_per_s=n / d_wall,
                 ttfb_p50_ms=1e3 * pct([o.ttfb for o in served], 50), ttfb_p99_ms=1e3 * pct([o.ttfb for o in served], 99),
                 tokens_per_s=tokens / s_wall, direct_tokens_per_s=sum(o.tokens for o in direct) / d_wall,
                 latency_ms=1e3 * lat_s, direct_latency_ms=1e3 * lat_d, overhead_ms=1e3 * (lat_s - lat_d),

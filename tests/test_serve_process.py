@@ -98,6 +98,17 @@ def test_serve_help_and_busy_port():
     assert r.exit_code == 1 and "cannot listen on 127.0.0.1" in r.output and "Traceback" not in r.output
 
 
+def test_missing_or_unloadable_model_is_one_line_and_exit_1(tmp_path):
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "nope")])
+    assert r.exit_code == 1 and "no such file or folder" in r.output
+    # a folder that exists but holds no model: the engine fails to load, the server stops, exit 1
+    proc = subprocess.run([sys.executable, "-m", "clover_export.cli", "serve", str(tmp_path), "--port", str(free_port()),
+                           "--log-level", "critical"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "could not be loaded" in lines[0] and "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 def test_ray_serve_two_cpu_replicas_give_the_same_answers(tiny_dir):
     pytest.importorskip("ray.serve")

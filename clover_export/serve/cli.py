@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
+import time
+from pathlib import Path
 
 import click
 
@@ -53,6 +56,9 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
     opts = ServeOptions(model=model, backend=backend, dtype=dtype, device=device, block_size=block_size,
                         max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout)
+    if model not in (None, "tiny") and not Path(model).exists():
+        raise CloverError("serve", f"{model}: no such file or folder",
+                          "pass a model folder, an exported artifact, an engine, or leave MODEL out for the embedded default")
     _check_port(host, port)
     if replicas is not None:
         from clover_export.serve.ray_app import run_replicas
@@ -91,7 +97,23 @@ def _run_uvicorn(opts, host: str, port: int, drain_timeout: float, log_level: st
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    DrainingServer(config).run()
+    server = DrainingServer(config)
+    threading.Thread(target=_exit_if_load_fails, args=(app, server), daemon=True).start()
+    server.run()
+    engine = getattr(app.state, "engine", None)
+    if engine is not None and engine.load_error:
+        raise CloverError("serve", f"the model could not be loaded: {engine.load_error}")
+
+
+def _exit_if_load_fails(app, server) -> None:
+    """A server whose engine cannot load is of no use: stop it (the command then exits 1 saying why)."""
+    while getattr(app.state, "engine", None) is None:
+        time.sleep(0.1)
+    engine = app.state.engine
+    while not engine.ready and engine.load_error is None:
+        time.sleep(0.1)
+    if engine.load_error:
+        server.should_exit = True
 
 
 COMMANDS = [serve]

@@ -110,7 +110,7 @@ class Engine:
             self.gen = self.load()
             self._warm_up()
         except Exception as e:  # reported by /health; the process stays up to say why
-            self.load_error = f"{type(e).__name__}: {e}"
+            self.load_error = str(e) if isinstance(e, CloverError) else f"{type(e).__name__}: {e}"
             log.error("engine failed to load: %s", self.load_error)
             return
         self.ready = True
