@@ -46,7 +46,10 @@ def stream_events(url, body, accepted: threading.Event, out: list):
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         accepted.set()
         out.append(r.status_code)
-        out.append(r.read().decode())
+        try:
+            out.append(r.read().decode())
+        except httpx.HTTPError as e:  # the server cut the stream (past the grace period)
+            out.append(f"<cut: {type(e).__name__}>")
 
 
 def test_sigterm_finishes_running_requests_cancels_past_the_grace_period_and_exits_0():
@@ -74,8 +77,7 @@ def test_sigterm_finishes_running_requests_cancels_past_the_grace_period_and_exi
         assert status == 200 and events[-1] == "data: [DONE]"  # finished during the drain
         assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         # the endless one (~1000 steps) was cut at the grace period, not waited for
-        if len(results["endless"]) > 1:  # it was cut (the connection may close without a last event)
-            assert '"finish_reason": "length"' not in results["endless"][1]
+        assert '"finish_reason": "length"' not in results["endless"][1]  # cut at the grace period
         assert took < 40
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health")
