@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "clover_export.exporter.cli",
     "clover_export.runtime.cli",
     "clover_export.engines.cli",
+    "clover_export.serve.cli",
 ]
 
 

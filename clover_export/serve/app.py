@@ -1,0 +1,280 @@
+"""The FastAPI app: OpenAI endpoints, /health, /metrics (SERVING.md 1-3).
+
+`build_app(options)` is what uvicorn (`clover-export serve`) and Ray Serve
+(`ray_app.py`) both run. The engine and the metrics are created at startup
+(the lifespan), so each process or Ray replica owns its own engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from clover_export.errors import CloverError
+from clover_export.serve import adapter
+from clover_export.serve.engine import Engine, Event, Full, Job
+from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
+from clover_export.serve.protocol import ApiError, ChatRequest, CompletionRequest
+
+log = logging.getLogger("clover_export.serve")
+POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+
+
+class ClientGone(Exception):
+    """The client disconnected; its request was cancelled."""
+
+
+@dataclass
+class ServeOptions:
+    """Everything one server process needs; plain data, so Ray can ship it to replicas."""
+
+    model: str | None = None
+    backend: str | None = None  # torch / ort / trt; default: ort for an artifact folder, else torch
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int | None = None
+    max_batch: int = 8  # rows in the continuous batch (runtime slots)
+    max_queue: int = 64  # requests waiting for a row before 503
+    served_model_name: str | None = None
+    max_body_bytes: int = 4 << 20
+    request_timeout_s: float = 600.0
+    wait_until_loaded: bool = False  # startup waits for the engine (Ray replicas); else /health says 503 meanwhile
+
+    @property
+    def model_id(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return "clover-tiny" if self.model in (None, "tiny") else Path(self.model).resolve().name
+
+    def load_generator(self):
+        from clover_export.runtime import Generator
+        from clover_export.runtime.backends import is_artifact
+
+        backend = self.backend or ("ort" if is_artifact(self.model) else "torch")
+        opts: dict[str, Any] = {}
+        if backend == "torch":
+            opts = dict(dtype=self.dtype, device=self.device, block_size=self.block_size)
+        return Generator.load(self.model, backend=backend, max_slots=self.max_batch, **opts)
+
+
+def build_app(options: ServeOptions) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state = app.state
+        state.metrics = Metrics()
+        state.engine = Engine(options.load_generator, options.max_batch + options.max_queue, state.metrics)
+        state.engine.start()
+        if options.wait_until_loaded:
+            await asyncio.to_thread(state.engine.wait_ready, 3600)
+            if state.engine.load_error:
+                raise RuntimeError(f"the engine failed to load: {state.engine.load_error}")
+        yield
+        state.engine.stop()
+
+    app = FastAPI(title="clover-export", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.options = options
+    _routes(app)
+    _error_handlers(app)
+    return app
+
+
+def _routes(app: FastAPI) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = ChatRequest.model_validate(await _json_body(request))
+        eng = request.app.state.engine
+        default_thinking = eng.gen.defaults.enable_thinking if eng.gen is not None else True
+        return await _generate(request, adapter.chat_submission(_check_model(request, body), default_thinking))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = CompletionRequest.model_validate(await _json_body(request))
+        return await _generate(request, adapter.completion_submission(_check_model(request, body)))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        eng, opts = request.app.state.engine, request.app.state.options
+        context = eng.gen.max_context if eng.gen is not None else None
+        return {"object": "list", "data": [{"id": opts.model_id, "object": "model", "created": 0,
+                                            "owned_by": "clover-export", "max_model_len": context}]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        eng = request.app.state.engine
+        if eng.load_error:
+            return JSONResponse({"status": "failed", "error": eng.load_error}, 503)
+        if eng.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        if not eng.ready:
+            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "5"})
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        m, eng = request.app.state.metrics, request.app.state.engine
+        running, waiting = eng.load_figures()
+        m.running_rows.set(running)
+        m.queue_depth.set(waiting)
+        return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_handlers(app: FastAPI) -> None:
+    def reply(request: Request, e: ApiError) -> JSONResponse:
+        if request.url.path.startswith("/v1/") and request.method == "POST":
+            request.app.state.metrics.requests.labels(request.url.path, str(e.status)).inc()
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return reply(request, e)
+
+    @app.exception_handler(ValidationError)
+    async def bad_field(request: Request, e: ValidationError):
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        message = f"'{param}': {err['msg']}" if err["type"] != "extra_forbidden" else f"unknown parameter '{param}'"
+        return reply(request, ApiError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        code = "not_found" if e.status_code == 404 else None
+        return reply(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, e: Exception):
+        log.exception("unexpected error")
+        return reply(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+
+# --- one generation request ------------------------------------------------------
+async def _json_body(request: Request) -> dict:
+    limit = request.app.state.options.max_body_bytes
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise ApiError(413, f"request body over the limit of {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"request body over the limit of {limit} bytes", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _check_model(request: Request, body):
+    model_id = request.app.state.options.model_id
+    if body.model is not None and body.model != model_id:
+        raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{model_id}'",
+                       param="model", code="model_not_found")
+    return body
+
+
+def _failure(e: Exception, chat: bool) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, CloverError):
+        return adapter.api_error(e, chat)
+    return ApiError(500, f"the request failed in the engine: {e}", code="engine_error")
+
+
+async def _next_event(job: Job, request: Request, deadline: float):
+    """The job's next engine event; cancels the job when the client leaves or time is up."""
+    eng = request.app.state.engine
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            pass
+        if time.monotonic() > deadline:
+            eng.cancel(job)
+            raise ApiError(408, "the request took longer than the server's request timeout", code="timeout")
+        if await request.is_disconnected():
+            eng.cancel(job)
+            raise ClientGone()
+
+
+async def _generate(request: Request, sub: adapter.Submission):
+    state, path = request.app.state, request.url.path
+    job = Job(sub.kwargs, asyncio.get_running_loop())
+    try:
+        state.engine.submit(job)
+    except Full as e:
+        raise ApiError(503, f"server busy: {e}; retry later", code="server_busy", headers={"Retry-After": "1"})
+    deadline = time.monotonic() + state.options.request_timeout_s
+    try:
+        first = await _next_event(job, request, deadline)
+        if first.kind == "error":
+            raise _failure(first.value, sub.chat)
+        if sub.stream:
+            return StreamingResponse(_sse(job, sub, request, deadline), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        while True:
+            ev = await _next_event(job, request, deadline)
+            if ev.kind == "error":
+                raise _failure(ev.value, sub.chat)
+            if ev.kind == "done":
+                state.metrics.finished(path, 200, job, ev.value)
+                return adapter.response(sub, state.options.model_id, ev.value)
+    except ClientGone:
+        state.metrics.finished(path, 499)
+        return Response(status_code=499)  # nobody reads it
+
+
+def _data(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: float):
+    """One `data:` chunk per committed block, the finishing chunk, usage if asked, `[DONE]` (SERVING.md 1)."""
+    state, model = request.app.state, request.app.state.options.model_id
+    split = adapter.TextSplit(sub.thinking, strip=sub.chat)
+    first, ended = True, False
+    try:
+        while True:
+            try:
+                ev = await _next_event(job, request, deadline)
+            except ApiError as e:  # timeout: the stream has begun, so the error goes in the stream
+                ev = Event("error", e)
+            except ClientGone:
+                return
+            if ev.kind == "block":
+                reasoning, content = split.push(ev.value.text, ev.value.finished)
+                yield _data(adapter.chunk(sub, model, reasoning, content, first=first))
+                first = False
+            elif ev.kind == "done":
+                res = ev.value
+                reasoning, content = split.push("", True)
+                finish = adapter.FINISH_REASONS.get(res.finish_reason, res.finish_reason)
+                yield _data(adapter.chunk(sub, model, reasoning, content, finish=finish, first=first))
+                if sub.include_usage:
+                    yield _data(adapter.chunk(sub, model, res=res))
+                yield "data: [DONE]\n\n"
+                state.metrics.finished(request.url.path, 200, job, res)
+                ended = True
+                return
+            else:
+                err = _failure(ev.value, sub.chat)
+                yield _data(err.body())
+                yield "data: [DONE]\n\n"
+                state.metrics.finished(request.url.path, err.status)
+                ended = True
+                return
+    finally:
+        if not ended:  # client gone: the row leaves the batch at the next step
+            state.engine.cancel(job)
+            state.metrics.finished(request.url.path, 499)

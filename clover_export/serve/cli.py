@@ -1,0 +1,119 @@
+"""`clover-export serve`: the OpenAI-compatible server (uvicorn), or Ray Serve replicas with --replicas."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import click
+
+from clover_export.errors import CloverError
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), default=None,
+              help="Engine: torch (reference model), ort (exported artifact), trt (TensorRT engine). "
+                   "Default: ort for an artifact folder (it has manifest.json), torch otherwise.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests decoding together in the continuous batch (runtime slots).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests waiting for a slot; past it the server answers 503 with Retry-After.")
+@click.option("--served-model-name", default=None,
+              help="Model id of the API (`model` field, /v1/models). Default: the folder's name, or clover-tiny.")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="Run N engine replicas behind Ray Serve (needs the `ray` extra); one GPU each where GPUs exist.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 << 20, show_default=True,
+              help="Largest request body; larger ones get 413.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds before a request is cancelled.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM: seconds running requests get to finish before they are cancelled.")
+@click.option("--block-size", type=int, default=None, help="torch backend: build the model with this block size.")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", help="torch backend dtype.")
+@click.option("--device", default=None, help="torch backend device (default: cuda if available, else cpu).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
+def serve(model, backend, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
+          request_timeout, drain_timeout, block_size, dtype, device, log_level):
+    """Serve MODEL over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+    MODEL is a model folder, an exported artifact (ort), an engine (trt), or
+    left out for the embedded default. All requests decode in one continuous
+    batch; SIGTERM (or Ctrl-C) stops admitting, lets running requests finish
+    for --drain-timeout seconds, and exits 0. Example:
+
+        clover-export serve --port 8000 &
+        curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+          -d '{"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 64}'
+    """
+    from clover_export.serve.app import ServeOptions
+
+    opts = ServeOptions(model=model, backend=backend, dtype=dtype, device=device, block_size=block_size,
+                        max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
+                        max_body_bytes=max_body_bytes, request_timeout_s=request_timeout)
+    if model not in (None, "tiny") and not Path(model).exists():
+        raise CloverError("serve", f"{model}: no such file or folder",
+                          "pass a model folder, an exported artifact, an engine, or leave MODEL out for the embedded default")
+    _check_port(host, port)
+    if replicas is not None:
+        from clover_export.serve.ray_app import run_replicas
+
+        run_replicas(opts, replicas, host, port)
+        return
+    _run_uvicorn(opts, host, port, drain_timeout, log_level)
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise CloverError("serve", f"cannot listen on {host}:{port}: {e.strerror}",
+                              "pick another --port, or stop the process using it") from None
+
+
+def _run_uvicorn(opts, host: str, port: int, drain_timeout: float, log_level: str) -> None:
+    import uvicorn
+
+    from clover_export.serve.app import build_app
+
+    app = build_app(opts)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # stop admitting at once; uvicorn then drains the open requests
+            engine = getattr(app.state, "engine", None)
+            if engine is not None:
+                engine.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
+                            server_header=False)
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server = DrainingServer(config)
+    threading.Thread(target=_exit_if_load_fails, args=(app, server), daemon=True).start()
+    server.run()
+    engine = getattr(app.state, "engine", None)
+    if engine is not None and engine.load_error:
+        raise CloverError("serve", f"the model could not be loaded: {engine.load_error}")
+
+
+def _exit_if_load_fails(app, server) -> None:
+    """A server whose engine cannot load is of no use: stop it (the command then exits 1 saying why)."""
+    while getattr(app.state, "engine", None) is None:
+        time.sleep(0.1)
+    engine = app.state.engine
+    while not engine.ready and engine.load_error is None:
+        time.sleep(0.1)
+    if engine.load_error:
+        server.should_exit = True
+
+
+COMMANDS = [serve]

@@ -1,0 +1,61 @@
+"""Prometheus figures of one server (SERVING.md 1 `/metrics`), in the app's own registry.
+
+Per request: status, time to first block, end-to-end latency, tokens, and
+the dLLM figures (denoise steps, tokens per forward, distinct experts per
+block, DECODING.md 4). Per engine step: step time, running rows, queue depth.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+PREFIX = "clover_"
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "HTTP generation requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.queue_depth = Gauge(PREFIX + "queue_depth", "requests waiting for a slot", registry=r)
+        self.running_rows = Gauge(PREFIX + "running_rows", "requests holding a slot in the batch", registry=r)
+        self.time_to_first_block = Histogram(PREFIX + "time_to_first_block_seconds",
+                                             "submit to first committed block", buckets=_LATENCY, registry=r)
+        self.latency = Histogram(PREFIX + "request_latency_seconds", "submit to finish", buckets=_LATENCY,
+                                 registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter(PREFIX + "generated_tokens", "response tokens of finished requests",
+                                        registry=r)
+        self.denoise_steps = Counter(PREFIX + "denoise_steps", "denoise steps of finished requests", registry=r)
+        self.tokens_per_forward = Histogram(PREFIX + "tokens_per_forward", "response tokens per denoise step",
+                                            buckets=(0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.distinct_experts = Histogram(PREFIX + "distinct_experts_per_block",
+                                          "mean kept-set size per denoise step (coreset)",
+                                          buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.step_time = Histogram(PREFIX + "step_seconds", "engine step time", buckets=_LATENCY, registry=r)
+
+    def step(self, seconds: float, running: int, waiting: int) -> None:
+        self.step_time.observe(seconds)
+        self.running_rows.set(running)
+        self.queue_depth.set(waiting)
+
+    def finished(self, endpoint: str, status: int, job=None, result=None) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        if job is None or result is None:
+            return
+        if job.first_block is not None:
+            self.time_to_first_block.observe(job.first_block - job.submitted)
+        self.latency.observe(time.perf_counter() - job.submitted)
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.generated_tokens.inc(result.response_tokens)
+        self.denoise_steps.inc(result.denoise_steps)
+        if result.denoise_steps:
+            self.tokens_per_forward.observe(result.tokens_per_forward)
+            self.distinct_experts.observe(result.distinct_experts_per_block)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,97 @@
+"""Past one GPU: the same FastAPI app as Ray Serve replicas, one engine each (SERVING.md 4).
+
+Ray Serve does the routing and autoscaling; each replica runs the app's
+lifespan, so it owns one engine (on one GPU where the cluster has GPUs, on
+CPUs elsewhere). Three ways in:
+
+- `clover-export serve --replicas N`: a local Ray instance on this machine.
+- `serve run clover_export/serve/ray_serve.yaml`: the config for a cluster
+  (KubeRay's RayService takes the same `applications:` block).
+- `serve run clover_export.serve.ray_app:app_builder model=/models/clover`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+from typing import Any
+
+from clover_export.errors import CloverError
+from clover_export.serve.app import ServeOptions, build_app
+
+DEPLOYMENT_NAME = "CloverServer"
+
+
+def _ray():
+    try:
+        import ray
+        from ray import serve
+    except ModuleNotFoundError:
+        raise CloverError("serve", "--replicas needs Ray Serve, which is not installed",
+                          "pip install 'clover-export[ray]'") from None
+    return ray, serve
+
+
+def _gpus_per_replica() -> float:
+    """1 on machines (clusters) with GPUs, 0 (CPU replicas) elsewhere."""
+    ray, _ = _ray()
+    if ray.is_initialized():
+        return 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    import torch
+
+    return 1 if torch.cuda.is_available() else 0
+
+
+def deployment(opts: ServeOptions, replicas: int | None = None, num_gpus: float | None = None):
+    """The bound Ray Serve application: `@serve.ingress` around `build_app(opts)`."""
+    _, serve = _ray()
+    # a replica takes traffic only once its engine is loaded (Ray waits for the app's startup)
+    app = build_app(dataclasses.replace(opts, wait_until_loaded=True))
+    gpus = _gpus_per_replica() if num_gpus is None else num_gpus
+    scaling: dict[str, Any] = ({"num_replicas": replicas} if replicas else
+                               {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
+                                                       "target_ongoing_requests": opts.max_batch}})
+
+    @serve.deployment(name=DEPLOYMENT_NAME, ray_actor_options={"num_gpus": gpus, "num_cpus": 1},
+                      max_ongoing_requests=opts.max_batch + opts.max_queue, **scaling)
+    @serve.ingress(app)
+    class CloverServer:
+        pass
+
+    return CloverServer.bind()
+
+
+def app_builder(args: dict[str, Any]):
+    """`serve run` entry point: args are ServeOptions fields (strings from the command line are converted)."""
+    fields = {f.name: f for f in dataclasses.fields(ServeOptions)}
+    unknown = set(args) - set(fields) - {"replicas", "num_gpus"}
+    if unknown:
+        raise CloverError("serve", f"unknown argument(s) {sorted(unknown)}; known: {sorted(fields)}")
+    kw = {}
+    for name, value in args.items():
+        kind = str(fields[name].type).split(" ")[0] if name in fields else None
+        if isinstance(value, str) and kind in ("int", "float"):
+            value = int(value) if kind == "int" else float(value)
+        kw[name] = value
+    replicas, num_gpus = kw.pop("replicas", None), kw.pop("num_gpus", None)
+    return deployment(ServeOptions(**kw), int(replicas) if replicas else None,
+                      float(num_gpus) if num_gpus is not None else None)
+
+
+def run_replicas(opts: ServeOptions, replicas: int, host: str, port: int) -> None:
+    """`clover-export serve --replicas N` on this machine; SIGTERM/SIGINT shut it down, exit 0."""
+    ray, serve = _ray()
+    ray.init(num_cpus=max(os.cpu_count() or 1, replicas), include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(deployment(opts, replicas), name="clover", route_prefix="/", blocking=False)
+        print(f"clover-export: {replicas} replica(s) of {opts.model_id} serving on http://{host}:{port}", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,482 @@
+"""`clover-export serve` end to end: the official openai client against a real uvicorn server on 127.0.0.1 (SERVING.md).
+
+One server (uvicorn in a thread, real sockets) for the module; answers are
+checked against the Python API (`Generator`, one request at a time) in this
+process. The subprocess/SIGTERM and Ray Serve cases are in test_serve_process.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from hypothesis import example, given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from clover_export.serve.adapter import TextSplit
+from clover_export.serve.app import ServeOptions, build_app
+
+MODEL_ID = "clover-tiny"
+# about one token per step and no end token: stays in the batch for ~1000 steps unless cancelled
+LONG = {"model": "clover-tiny", "prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 1000, "threshold": 1.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """uvicorn serving `app` on 127.0.0.1 in a background thread."""
+
+    def __init__(self, app):
+        self.app, self.port = app, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return self
+
+    def wait_healthy(self, timeout=120):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if httpx.get(self.url + "/health").status_code == 200:
+                return
+            time.sleep(0.1)
+        raise TimeoutError("server not healthy")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    app = build_app(ServeOptions(max_batch=8, max_queue=64, max_body_bytes=64 << 10, request_timeout_s=120))
+    with ThreadServer(app) as srv:
+        srv.wait_healthy()
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+class Reference:
+    """The Python API, one request at a time: what each HTTP request must return (memoised)."""
+
+    def __init__(self):
+        from clover_export.runtime import Generator
+
+        self.gen = Generator.load(None, max_slots=1)
+        self.tokenizer = self.gen.tokenizer
+        self.memo = {}
+
+    def generate(self, prompt=None, **kw):
+        key = json.dumps([prompt, kw], sort_keys=True)
+        if key not in self.memo:
+            self.memo[key] = self.gen.generate(prompt, **kw)
+        return self.memo[key]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    return Reference()
+
+
+def engine(server):
+    return server.app.state.engine
+
+
+def wait_idle(server, timeout=30):
+    """Until no row is running or waiting, and every slot is free."""
+    eng = engine(server)
+    sched = eng.gen.loop.scheduler
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not sched.running and not sched.waiting and len(sched.free_slots) == 8 and not eng._jobs:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def running_soon(server, timeout=20):
+    """Until a row is running in the batch."""
+    sched = engine(server).gen.loop.scheduler
+    end = time.monotonic() + timeout
+    while not sched.running and time.monotonic() < end:
+        time.sleep(0.02)
+    return bool(sched.running)
+
+
+# --- answers equal the Python API -------------------------------------------------------------------------
+# prompts the embedded model answers in a few denoise steps (the test box is small and shared)
+CHAT_CASES = [
+    ("What is 2 + 3?", {}, 64),
+    ("What is 7 + 8?", {"enable_thinking": False}, 64),
+    ("12*12=", {}, 40),
+    ("Hi", {"enable_thinking": False}, 8),
+]
+RAW_CASES = [("The answer is", 40), ("What is 2 + 3?", 40), ("12*12=", 12), ("12*12=", 40)]
+
+
+def chat_args(prompt, kw, max_tokens):
+    extra = {"chat_template_kwargs": kw} if kw else None
+    return dict(model=MODEL_ID, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                temperature=0, extra_body=extra)
+
+
+def chat_reference(reference, prompt, kw, max_tokens):
+    res = reference.generate(prompt, max_new_tokens=max_tokens, **kw)
+    head, sep, tail = res.text.partition("</think>")
+    thinking = kw.get("enable_thinking", True)
+    reasoning, content = (head.strip(), tail.strip()) if thinking and sep else ("", res.text.strip())
+    return res, reasoning, content
+
+
+def test_chat_matches_python_api(client, reference):
+    for prompt, kw, max_tokens in CHAT_CASES:
+        out = client.chat.completions.create(**chat_args(prompt, kw, max_tokens))
+        res, reasoning, content = chat_reference(reference, prompt, kw, max_tokens)
+        msg = out.choices[0].message
+        assert msg.content == content
+        if kw.get("enable_thinking", True):
+            assert msg.reasoning_content == reasoning
+        assert out.choices[0].finish_reason == {"stop": "stop", "stop_string": "stop", "length": "length"}[res.finish_reason]
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (res.prompt_tokens, res.response_tokens)
+        assert out.usage.total_tokens == res.prompt_tokens + res.response_tokens
+        assert out.model_extra["clover"] == pytest.approx({"denoise_steps": res.denoise_steps,
+                                                           "tokens_per_forward": res.tokens_per_forward,
+                                                           "distinct_experts_per_block": res.distinct_experts_per_block})
+
+
+def test_completions_match_python_api_and_finish_reasons(client, reference):
+    for prompt, max_tokens in RAW_CASES:
+        out = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        res = reference.generate(prompt, raw=True, max_new_tokens=max_tokens)
+        assert out.choices[0].text == res.text
+        assert out.usage.completion_tokens == res.response_tokens
+    # "length" at max_tokens; a stop string cuts the text and reports "stop"
+    out = client.completions.create(model=MODEL_ID, prompt="The answer is", max_tokens=5)
+    assert (out.choices[0].finish_reason, out.usage.completion_tokens) == ("length", 5)
+    full = reference.generate("What is 2 + 3?", raw=True, max_new_tokens=40).text
+    out = client.completions.create(model=MODEL_ID, prompt="What is 2 + 3?", max_tokens=40, stop=["552"])
+    assert out.choices[0].text == full[:full.index("552")] and out.choices[0].finish_reason == "stop"
+    # prompt token ids are a prompt too
+    ids = reference.tokenizer.encode("The answer is", add_special_tokens=True)
+    out = client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=12)
+    assert out.choices[0].text == reference.generate(prompt_ids=ids, max_new_tokens=12).text
+
+
+def stream_chat(client, **kw):
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    body = [c for c in chunks if c.choices]
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in body)
+    content = "".join(c.choices[0].delta.content or "" for c in body)
+    return chunks, body, reasoning, content
+
+
+def test_streaming_equals_non_streaming(client, reference):
+    for prompt, kw, max_tokens in CHAT_CASES:
+        args = chat_args(prompt, kw, max_tokens)
+        whole = client.chat.completions.create(**args)
+        chunks, body, reasoning, content = stream_chat(client, **args)
+        assert content == whole.choices[0].message.content
+        assert reasoning == (getattr(whole.choices[0].message, "reasoning_content", None) or "")
+        res = reference.generate(prompt, max_new_tokens=max_tokens, **kw)
+        assert len(body) == res.blocks + 1  # one chunk per committed block, then the finishing chunk
+        assert [c.choices[0].finish_reason for c in body] == [None] * res.blocks + [whole.choices[0].finish_reason]
+        assert body[0].choices[0].delta.role == "assistant"
+        assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    for prompt, max_tokens in RAW_CASES:
+        whole = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens)
+        parts = list(client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, stream=True))
+        assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+        assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        assert parts[-1].usage is None  # only when stream_options.include_usage
+
+
+def test_raw_sse_framing(server):
+    """data: {chunk} per block, then data: [DONE] (SERVING.md 1), checked on the wire."""
+    body = {"model": MODEL_ID, "prompt": "The answer is", "max_tokens": 40, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert all("choices" in json.loads(e[6:]) for e in events[:-1])
+
+
+# --- one continuous batch -----------------------------------------------------------------------------------
+def test_24_concurrent_mixed_requests_each_equal_their_single_answer(server, client, reference):
+    jobs = []
+    for i in range(24):
+        stream = i % 2 == 0
+        if i % 3 == 0:
+            prompt, max_tokens = RAW_CASES[i % len(RAW_CASES)]
+            jobs.append(("raw", prompt, {}, max_tokens, stream))
+        else:
+            prompt, kw, max_tokens = CHAT_CASES[i % len(CHAT_CASES)]
+            jobs.append(("chat", prompt, kw, max_tokens, stream))
+
+    def run(job):
+        kind, prompt, kw, max_tokens, stream = job
+        if kind == "raw":
+            if stream:
+                parts = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                  stream_options={"include_usage": True})
+                parts = list(parts)
+                return "".join(p.choices[0].text for p in parts if p.choices), parts[-1].model_extra["clover"]
+            out = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens)
+            return out.choices[0].text, out.model_extra["clover"]
+        if stream:
+            chunks, _, reasoning, content = stream_chat(client, **chat_args(prompt, kw, max_tokens))
+            return (reasoning, content), chunks[-1].model_extra["clover"]
+        msg = client.chat.completions.create(**chat_args(prompt, kw, max_tokens))
+        return (getattr(msg.choices[0].message, "reasoning_content", None) or "", msg.choices[0].message.content), msg.model_extra["clover"]
+
+    expected = []
+    for kind, prompt, kw, max_tokens, _ in jobs:
+        if kind == "raw":
+            expected.append(reference.generate(prompt, raw=True, max_new_tokens=max_tokens).text)
+        else:
+            _, reasoning, content = chat_reference(reference, prompt, kw, max_tokens)
+            expected.append((reasoning if kw.get("enable_thinking", True) else "", content))
+    steps_before = engine(server).gen.loop.steps
+    with ThreadPoolExecutor(24) as pool:
+        got = list(pool.map(run, jobs))
+    steps = engine(server).gen.loop.steps - steps_before
+    assert [g[0] for g in got] == expected
+    # the requests shared steps (one batch), rather than running one after another
+    assert steps < sum(g[1]["denoise_steps"] for g in got)
+    assert wait_idle(server)
+
+
+# --- errors (SERVING.md 2) -----------------------------------------------------------------------------------
+def post(server, path, body=None, content=None, headers=None):
+    return httpx.post(server.url + path, json=body, content=content, headers=headers, timeout=60)
+
+
+def check_error(r, status, param=None, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 else "service_unavailable" if status == 503
+                           else "server_error")
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+BAD_REQUESTS = [
+    ({**CHAT, "nonsense": 1}, "nonsense", None),
+    ({**CHAT, "threshold": 1.5}, "threshold", None),
+    ({**CHAT, "temperature": -1}, "temperature", None),
+    ({**CHAT, "top_p": 0}, "top_p", None),
+    ({**CHAT, "max_tokens": 0}, "max_tokens", None),
+    ({**CHAT, "block_size": 8}, "block_size", None),
+    ({**CHAT, "n": 2}, "n", None),
+    ({**CHAT, "logprobs": True}, "logprobs", None),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", None),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", None),
+    ({**CHAT, "messages": []}, "messages", None),
+    ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, None),
+    ({**CHAT, "max_tokens": 4000}, "messages", "context_length_exceeded"),
+    ({**CHAT, "chat_template_kwargs": {"foo": True}}, None, None),
+]
+
+
+@pytest.mark.parametrize("body,param,code", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
+def test_client_mistakes_are_400_with_openai_error_body(server, body, param, code):
+    check_error(post(server, "/v1/chat/completions", body), 400, param, code)
+
+
+def test_other_errors(server, client):
+    check_error(post(server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                400, code="invalid_json")
+    check_error(post(server, "/v1/completions", content=b"[1, 2]"), 400, code="invalid_json")
+    check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "x" * 70_000}), 413,
+                code="request_too_large")
+    check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 4000}), 400,
+                "prompt", "context_length_exceeded")
+    check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": ["a", "b"]}), 400, "prompt")
+    check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "echo": True}), 400, "echo")
+    check_error(post(server, "/v1/chat/completions", {**CHAT, "model": "gpt-4"}), 404, "model", "model_not_found")
+    check_error(httpx.get(server.url + "/v1/nothing"), 404)
+    # the official client sees the same errors as typed exceptions
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], n=3)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="Hi")
+    # a stream that is refused is refused before any event: a plain error response
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], stream=True,
+                                       max_tokens=4000)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_queue_full_is_503_with_retry_after(server):
+    eng = engine(server)
+    saved = eng.max_pending
+    eng.max_pending = 1
+    try:
+        long = {**LONG, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60):
+            # headers come once the engine accepted the long request: it holds the only place
+            busy = post(server, "/v1/chat/completions", CHAT)
+            check_error(busy, 503, code="server_busy")
+            assert int(busy.headers["retry-after"]) >= 1
+    finally:
+        eng.max_pending = saved
+    assert wait_idle(server)
+    assert post(server, "/v1/chat/completions", CHAT).status_code == 200
+
+
+# --- lifecycle (SERVING.md 3) -----------------------------------------------------------------------------------
+def test_abandoned_stream_frees_the_row_and_server_stays_healthy(server, client, reference):
+    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        assert running_soon(server)
+        row = engine(server).gen.loop.scheduler.running[0]
+    # the client is gone: the row leaves the batch (it would run ~1000 steps otherwise)
+    assert wait_idle(server, timeout=10)
+    assert row.finish_reason == "cancelled" and len(row.response) < 1000
+    assert httpx.get(server.url + "/health").status_code == 200
+    out = client.completions.create(model=MODEL_ID, prompt="The answer is", max_tokens=40)
+    assert out.choices[0].text == reference.generate("The answer is", raw=True, max_new_tokens=40).text
+
+
+def test_abandoned_non_streaming_request_is_cancelled(server):
+    with ThreadPoolExecutor(1) as pool:
+        gone = pool.submit(httpx.post, server.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(60, read=2))
+        assert running_soon(server)
+        row = engine(server).gen.loop.scheduler.running[0]
+        with pytest.raises(httpx.ReadTimeout):
+            gone.result()
+    assert wait_idle(server, timeout=10)
+    assert row.finish_reason == "cancelled" and len(row.response) < 1000
+
+
+def test_a_request_failing_in_the_engine_fails_alone(server, client, reference, monkeypatch):
+    """A fault while serving one request (injected into its delivery on the engine thread) and a
+    request the runtime refuses: both fail with an OpenAI error; the concurrent requests are unaffected."""
+    eng = engine(server)
+    real = type(eng).deliver
+
+    def faulty(self, job):
+        if job.kwargs.get("prompt") == "Tell me a story":
+            raise RuntimeError("injected fault")
+        return real(self, job)
+
+    monkeypatch.setattr(type(eng), "deliver", faulty)
+
+    def good(i):
+        prompt, max_tokens = RAW_CASES[i % 3]
+        return client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, stream=i % 2 == 0)
+
+    def bad_stream():
+        body = {"model": MODEL_ID, "prompt": "Tell me a story", "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            return r.status_code, r.read().decode()
+
+    with ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(good, i) for i in range(6)]
+        faulted = pool.submit(post, server, "/v1/completions", {"model": MODEL_ID, "prompt": "Tell me a story",
+                                                                "max_tokens": 40})
+        faulted_stream = pool.submit(bad_stream)
+        refused = pool.submit(post, server, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 5000})
+        outs = [f.result() for f in goods]
+    err = check_error(faulted.result(), 500, code="engine_error")
+    assert "injected fault" in err["message"]
+    status, text = faulted_stream.result()
+    events = [json.loads(e[6:]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+    assert status == 200 and events[-1]["error"]["code"] == "engine_error" and text.endswith("data: [DONE]\n\n")
+    check_error(refused.result(), 400, code="context_length_exceeded")
+    for i, out in enumerate(outs):
+        prompt, max_tokens = RAW_CASES[i % 3]
+        text = "".join(p.choices[0].text for p in out) if i % 2 == 0 else out.choices[0].text
+        assert text == reference.generate(prompt, raw=True, max_new_tokens=max_tokens).text
+    assert wait_idle(server)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_models_and_metrics(server, client):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL_ID]
+    assert models["data"][0]["max_model_len"] == engine(server).gen.max_context
+    assert [m.id for m in client.models.list()] == [MODEL_ID]
+
+    def figures():
+        text = httpx.get(server.url + "/metrics").text
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    before = figures()
+    out = client.completions.create(model=MODEL_ID, prompt="What is 2 + 3?", max_tokens=40)
+    after = figures()
+
+    def delta(name, labels=None):
+        key = name + json.dumps(labels or {}, sort_keys=True)
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("clover_requests_total", {"endpoint": "/v1/completions", "status": "200"}) == 1
+    assert delta("clover_generated_tokens_total") == out.usage.completion_tokens
+    assert delta("clover_prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("clover_denoise_steps_total") == out.model_extra["clover"]["denoise_steps"]
+    assert delta("clover_tokens_per_forward_sum") == pytest.approx(out.model_extra["clover"]["tokens_per_forward"])
+    assert delta("clover_distinct_experts_per_block_sum") == pytest.approx(
+        out.model_extra["clover"]["distinct_experts_per_block"])
+    for name in ("clover_time_to_first_block_seconds_count", "clover_request_latency_seconds_count"):
+        assert delta(name) == 1
+    assert delta("clover_step_seconds_count") >= out.model_extra["clover"]["denoise_steps"]
+    assert "clover_queue_depth{}" in after and "clover_running_rows{}" in after
+    assert after.get('clover_requests_total{"endpoint": "/v1/chat/completions", "status": "400"}', 0) >= 1
+
+
+def test_health_is_503_until_loaded_and_stepped():
+    gate = threading.Event()
+    opts = ServeOptions(max_batch=1)
+    real = opts.load_generator
+    opts.load_generator = lambda: (gate.wait(60), real())[1]
+    with ThreadServer(build_app(opts)) as srv:
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        check_error(post(srv, "/v1/completions", {"prompt": "Hi"}), 503, code="server_busy")
+        gate.set()
+        srv.wait_healthy()
+        assert srv.app.state.engine.gen.loop.steps >= 1  # the warm-up step ran before 200
+
+
+# --- the streaming text split -----------------------------------------------------------------------------------
+FRAGMENTS = st.sampled_from([" ", "\n", "a", "b", "<", "</", "th", "ink", ">", "</think>", "</th"])
+
+
+@given(st.lists(st.lists(FRAGMENTS, max_size=4).map("".join), max_size=8), st.booleans())
+@example(["a</th", "ink>b"], True)  # `</think>` split across two blocks
+@example(["\n</think>\n\n2 ", "3 ", " "], True)
+def test_text_split_deltas_sum_to_the_final_split(pieces, thinking):
+    """Streamed reasoning/content deltas add up to the non-streaming split, whatever the block boundaries."""
+    split = TextSplit(thinking)
+    sent = ["", ""]
+    for i, piece in enumerate(pieces + [""]):
+        r, c = split.push(piece, i == len(pieces))
+        sent = [sent[0] + r, sent[1] + c]
+    assert tuple(sent) == TextSplit(thinking).parts("".join(pieces))
