@@ -480,3 +480,44 @@ def test_text_split_deltas_sum_to_the_final_split(pieces, thinking):
         r, c = split.push(piece, i == len(pieces))
         sent = [sent[0] + r, sent[1] + c]
     assert tuple(sent) == TextSplit(thinking).parts("".join(pieces))
+
+
+def test_a_row_failing_inside_the_runtime_step_fails_alone(server, client, reference, monkeypatch):
+    """An exception raised by the backend's step for one row (the runtime undoes the step, finds the row
+    that fails alone and reports it with finish_reason "error"): that request gets an OpenAI error, the
+    requests batched with it finish with their single-request answers, and the server stays healthy."""
+    eng = engine(server)
+    backend = eng.gen.backend
+    poison = "Q~Q~"
+    poison_ids = set(eng.gen.tokenizer.encode(poison))
+    innocent = {t for p, _ in RAW_CASES for t in eng.gen.tokenizer.encode(p)}
+    poison_ids -= innocent
+    assert poison_ids, "the poison text must hold a token no good prompt holds"
+    real_step = backend.step
+
+    def step(inputs, pools):
+        out = real_step(inputs, pools)
+        ids, n_causal = inputs["input_ids"], inputs["n_causal"]
+        for r in range(ids.shape[0]):
+            if poison_ids & set(ids[r, :int(n_causal[r])].tolist()):
+                raise RuntimeError("poisoned row")
+        return out
+
+    monkeypatch.setattr(backend, "step", step)
+
+    def good(i):
+        prompt, max_tokens = RAW_CASES[i % 3]
+        return client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, stream=i % 2 == 0)
+
+    with ThreadPoolExecutor(6) as pool:
+        goods = [pool.submit(good, i) for i in range(4)]
+        bad = pool.submit(post, server, "/v1/completions", {"model": MODEL_ID, "prompt": poison, "max_tokens": 20})
+        outs = [f.result() for f in goods]
+    r = bad.result()
+    assert r.status_code >= 400 and "error" in r.json(), r.text
+    for i, out in enumerate(outs):
+        prompt, max_tokens = RAW_CASES[i % 3]
+        text = "".join(p.choices[0].text for p in out) if i % 2 == 0 else out.choices[0].text
+        assert text == reference.generate(prompt, raw=True, max_new_tokens=max_tokens).text
+    assert wait_idle(server)
+    assert httpx.get(server.url + "/health").status_code == 200
