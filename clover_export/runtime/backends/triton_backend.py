@@ -55,11 +55,17 @@ class KernelMoE:
 
     `n_causal` is the step's tensor (a graph's static buffer while capturing),
     set by the backend before the model runs; the kernels read it on the device.
+    Benchmarks may set `router_bias` (router weight's id -> [E] logit bias, a
+    planted skew) and `selected` (a list: each call appends the number of
+    experts any row selected, the union of PERF.md 1; a host read, so never
+    while capturing).
     """
 
     def __init__(self, fp8: Fp8Experts | None):
         self.fp8 = fp8
         self.n_causal: torch.Tensor | None = None
+        self.router_bias: dict[int, torch.Tensor] = {}
+        self.selected: list[int] | None = None
 
     def __call__(self, x, router_w, gate_up, down, top_k, top_p, coreset, block_size):
         from clover_export.plugins.triton import ops
@@ -68,9 +74,12 @@ class KernelMoE:
         if gate_up.dtype == torch.float8_e4m3fn and scales is None:
             raise CloverError("runtime", "FP8 expert weights without scales", "load them with fp8_experts")
         gs, ds = scales if scales else (None, None)
-        out, distinct = ops.coreset_moe(x, router_w, gate_up, down, top_k, top_p, coreset, block_size,
-                                        gate_up_scale=gs, down_scale=ds, n_causal=self.n_causal)
-        return out, distinct
+        bias = self.router_bias.get(id(router_w))
+        if self.selected is not None:
+            idx = ops.moe_route(x, router_w, top_k, top_p, coreset, block_size, self.n_causal, bias)[0]
+            self.selected.append(int(idx[idx < router_w.shape[0]].unique().numel()))
+        return ops.coreset_moe(x, router_w, gate_up, down, top_k, top_p, coreset, block_size, gate_up_scale=gs,
+                               down_scale=ds, n_causal=self.n_causal, router_bias=bias)
 
 
 def kernel_cores(moe: KernelMoE) -> Cores:
