@@ -200,8 +200,10 @@ def main(argv=None):
     ap.add_argument("--past", type=int, default=None, help="cached prefix per row (default 4096; dry run 16)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,64; dry run 2)")
     ap.add_argument("--reps", type=int, default=None, help="timed repeats per measurement (default 20; dry run 1)")
-    ap.add_argument("--zipf", type=float, default=2.0, help="planted skew: logit bias -s ln(rank)")
-    ap.add_argument("--router-std", type=float, default=0.02, help="random router init std (full size)")
+    ap.add_argument("--zipf", type=float, default=1.0, help="planted skew: per-layer logit bias -s ln(rank of expert)")
+    ap.add_argument("--router-std", type=float, default=0.5,
+                    help="random router init std (full size; 0.5: router logits of std ~2 per token, so the "
+                         "Zipf bias tilts routing without fixing it)")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--no-eager", action="store_true")
     args = ap.parse_args(argv)
