@@ -377,8 +377,8 @@ def summary(bench: Bench) -> None:
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in bench.res["tokens_per_s"]:
             lines.append(f"| {r['experts']} | {r['router']} | {r['B']} | {r['tokens_per_forward']} | "
-                         f"{r['block_tokens_per_s']:.0f} | {r['ar_tokens_per_s']:.0f} | {r['block_over_ar']:.2f} | "
-                         f"{r['block_bound_tokens_per_s']:.0f} | {r['ar_bound_tokens_per_s']:.0f} |")
+                         f"{r['block_tokens_per_s']:.4g} | {r['ar_tokens_per_s']:.4g} | {r['block_over_ar']:.2f} | "
+                         f"{r['block_bound_tokens_per_s']:.4g} | {r['ar_bound_tokens_per_s']:.4g} |")
     text = "\n".join(lines)
     (bench.out / "e2e_gpu.md").write_text(text + "\n")
     print(text, flush=True)
