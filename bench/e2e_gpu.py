@@ -25,6 +25,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -66,6 +67,7 @@ class Bench:
         if self.left() < need_s:
             print(f"SKIP {name}: {self.left():.0f} s left of the budget", flush=True)
             self.res["sections"][name] = "skip"
+            self.save()
             return
         t = time.perf_counter()
         try:
@@ -196,7 +198,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny config on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench/results")))
-    ap.add_argument("--budget-s", type=float, default=400.0, help="sections starting later than this are skipped")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="sections needing more than the budget left are skipped (default 400 s; dry run: none)")
     ap.add_argument("--past", type=int, default=None, help="cached prefix per row (default 4096; dry run 16)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,64; dry run 2)")
     ap.add_argument("--reps", type=int, default=None, help="timed repeats per measurement (default 20; dry run 1)")
@@ -208,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--no-eager", action="store_true")
     args = ap.parse_args(argv)
     dry = args.dry_run
+    if args.budget_s is None:
+        args.budget_s = math.inf if dry else 400.0
     if not dry and not torch.cuda.is_available():
         sys.exit("e2e_gpu: no CUDA GPU here; run with --dry-run (TRITON_INTERPRET=1) on the CPU")
     device = torch.device("cpu" if dry else "cuda")

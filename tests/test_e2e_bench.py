@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_e2e_gpu_dry_run_covers_every_section(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/e2e_gpu.py"), "--dry-run", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-u", str(ROOT / "bench/e2e_gpu.py"), "--dry-run", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "e2e_gpu.json").read_text())
@@ -28,7 +28,7 @@ def test_e2e_gpu_dry_run_covers_every_section(tmp_path):
     rows = res["rows"]
     kinds = {(r["experts"], r["router"], r["step"]) for r in rows}
     assert kinds == {(e, r, s) for e in ("bf16", "fp8") for r in ("random", "zipf")
-                     for s in ("denoise", "commit+denoise", "ar")}
+                     for s in ("denoise", "commit+denoise", "ar")}, (res["sections"], proc.stdout[-2000:])
     from clover_export import perf_bound
 
     sys.path.insert(0, str(ROOT / "bench"))

@@ -278,5 +278,56 @@ def test_fp8_artefact_without_scales_is_refused(tmp_path, monkeypatch):
         fp8_experts.from_artifact(be.model, tmp_path)
 
 
+def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
+    """The bucket padding of `StepGraphs.replay` (extra batch rows on the scratch slot, extra causal rows
+    past n_causal) leaves the valid rows' logits, coreset sizes and pools as the unpadded step computes
+    them. A stand-in graph replays the step eagerly on the static buffers (no CUDA here); the step is
+    the torch backend's (plain-torch cores), so this checks the padding, not the kernels."""
+    import torch
+
+    from clover_export import names
+    from clover_export.runtime.backends.cuda_graphs import Bucket, StepGraphs
+    from clover_export.runtime.backends.torch_backend import TorchBackend
+
+    be = TorchBackend.load(tiny_dir, device="cpu", dtype="fp32")
+    N, slots = be.block_size, 5
+    pools = be.allocate_pools(slots + 1, 96)  # + the scratch slot
+    g = torch.Generator().manual_seed(0)
+    for p in pools.values():
+        p.normal_(0, 0.3, generator=g)
+    ref_pools = {k: v.clone() for k, v in pools.items()}
+    fn = lambda inp: be.step(inp, pools)[:2]  # noqa: E731
+
+    class EagerGraph:  # replay = the step on the static buffers, results into the static outputs
+        def __init__(self, static, out):
+            self.static, self.out = static, out
+
+        def replay(self):
+            for dst, src in zip(self.out, fn(self.static)):
+                dst.copy_(src)
+
+    b = Bucket(4, N)
+    graphs = StepGraphs(fn, [b], N, slots, torch.device("cpu"))
+    static = graphs._static_inputs(b)
+    graphs.graphs[b] = (EagerGraph(static, None), static, tuple(t.clone() for t in fn(static)))
+    graphs.graphs[b][0].out = graphs.graphs[b][2]
+    for k, v in pools.items():  # the capture-time warm-up ran on the scratch slot only
+        assert torch.equal(v[:slots], ref_pools[k][:slots]), k
+
+    B, C = 3, 5
+    i32 = dict(dtype=torch.int32)
+    inputs = {names.INPUT_IDS: torch.randint(6, 500, (B, C + N), generator=g, **i32),
+              names.N_CAUSAL: torch.tensor([5, 0, 2], **i32), names.HAS_BLOCK: torch.tensor([1, 1, 0], **i32),
+              names.SLOT_IDS: torch.tensor([3, 0, 4], **i32), names.PAST_LEN: torch.tensor([10, 40, 0], **i32)}
+    assert graphs.bucket_for(B, C) == b
+    logits, coreset = graphs.replay(b, inputs)
+    want_logits, want_coreset, _ = be.step(inputs, ref_pools)
+    assert logits.shape == want_logits.shape and coreset.shape == want_coreset.shape
+    torch.testing.assert_close(logits, want_logits, atol=2e-5, rtol=1e-5)
+    assert torch.equal(coreset, want_coreset)
+    for k in pools:
+        torch.testing.assert_close(pools[k][:slots], ref_pools[k][:slots], atol=2e-5, rtol=1e-5, msg=k)
+
+
 if __name__ == "__main__":
     _child(sys.argv[1:])
