@@ -329,5 +329,32 @@ def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
         torch.testing.assert_close(pools[k][:slots], ref_pools[k][:slots], atol=2e-5, rtol=1e-5, msg=k)
 
 
+@pytest.mark.slow
+def test_fp8_experts_read_from_an_fp8_artefact_are_its_e4m3_bytes_and_scales(tmp_path, monkeypatch):
+    """An artefact written by the FP8 rewrite (engines/fp8.py): the backend's experts are its e4m3 tensors,
+    equal to quantize_weight of the source weights, with its scales."""
+    import torch
+
+    from clover_export.engines.quantize import quantize_weight
+    from clover_export.models import load_model
+    from clover_export.runtime.backends.fp8_experts import expert_names
+    from clover_export.runtime.backends.triton_backend import TritonBackend
+    from clover_export.tiny import generate_random_tiny
+    from tests.test_fp8_graph import build_fp8
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model_dir = generate_random_tiny(tmp_path / "model", seed=7, dtype=torch.float32, num_hidden_layers=2,
+                                     layer_types=["linear_attention", "full_attention"])
+    _, fp8_dir, _ = build_fp8(model_dir, tmp_path)
+    be = TritonBackend.load(model_dir, device="cpu", fp8_experts=fp8_dir)
+    src = load_model(model_dir)
+    for name in expert_names(be.model):
+        w8 = be.model.get_parameter(name)
+        want8, want_scale = quantize_weight(src.get_parameter(name))
+        assert w8.dtype == torch.float8_e4m3fn
+        assert torch.equal(w8.view(torch.uint8), want8.view(torch.uint8)), name
+        assert torch.equal(be.moe.fp8.scales(w8, w8)[0], want_scale), name
+
+
 if __name__ == "__main__":
     _child(sys.argv[1:])
