@@ -339,7 +339,8 @@ def main(argv=None):
                                    block_tokens_per_s=1e3 * B * tpf / mean, ar_tokens_per_s=ar_tps,
                                    block_over_ar=(B * tpf / mean) / (B / a),
                                    block_bound_tokens_per_s=1e3 * B * tpf / mean_bound,
-                                   ar_bound_tokens_per_s=ar_bound_tps)
+                                   ar_bound_tokens_per_s=ar_bound_tps,
+                                   block_share_of_bound=mean_bound / mean, ar_share_of_bound=ba / a)
                         bench.res["tokens_per_s"].append(row)
                         print("TPS " + json.dumps(row), flush=True)
         bench.save()
@@ -378,12 +379,13 @@ def summary(bench: Bench) -> None:
             lines.append(f"| {r['B']} | {r['eager_reference_ms']:.1f} | {r['kernels_no_graph_ms']:.2f} | "
                          f"{r['compiled_ms']:.2f} | {r['compiled_vs_eager']:.1f}x | {r['compiled_vs_kernels_no_graph']:.1f}x |")
     if bench.res["tokens_per_s"]:
-        lines += ["", "| experts | router | B | tok/fwd | block tok/s | AR tok/s | block/AR | block tok/s at bound | AR at bound |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| experts | router | B | tok/fwd | block tok/s | AR tok/s | block/AR | block tok/s at bound "
+                  "| AR at bound | block share of bound | AR share of bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in bench.res["tokens_per_s"]:
             lines.append(f"| {r['experts']} | {r['router']} | {r['B']} | {r['tokens_per_forward']} | "
                          f"{r['block_tokens_per_s']:.4g} | {r['ar_tokens_per_s']:.4g} | {r['block_over_ar']:.2f} | "
-                         f"{r['block_bound_tokens_per_s']:.4g} | {r['ar_bound_tokens_per_s']:.4g} |")
+                         f"{r['block_bound_tokens_per_s']:.4g} | {r['ar_bound_tokens_per_s']:.4g} | "
+                         f"{r['block_share_of_bound']:.2f} | {r['ar_share_of_bound']:.2f} |")
     text = "\n".join(lines)
     (bench.out / "e2e_gpu.md").write_text(text + "\n")
     print(text, flush=True)
