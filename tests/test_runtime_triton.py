@@ -240,6 +240,8 @@ def test_bucket_choice_and_bad_buckets():
         default_buckets(8, 32, batch_sizes=(0, 4))
     with pytest.raises(CloverError, match="causal rows >= 0"):
         default_buckets(8, 32, causal_rows=(-1,))
+    with pytest.raises(CloverError, match="fits the 4 slots"):
+        default_buckets(4, 32, batch_sizes=(8, 16))
 
 
 def test_fp8_weights_without_scales_are_refused():

@@ -37,13 +37,18 @@ class Bucket:
 
 
 def default_buckets(max_batch: int, block_size: int, batch_sizes=None, causal_rows=None) -> list[Bucket]:
-    """Batch sizes up to `max_batch` (always including it) x causal rows {0 (denoise), block_size (commit)}."""
-    sizes = sorted({b for b in (batch_sizes or BATCH_SIZES) if b <= max_batch} | ({max_batch} if not batch_sizes else set()))
+    """Batch sizes up to `max_batch` (by default 1, 2, 4, ... and max_batch itself; else the given ones that fit)
+    x causal rows (by default 0 for denoise steps and block_size for commit + denoise steps)."""
+    given = list(batch_sizes or ())
     causal = sorted(set(causal_rows if causal_rows is not None else (0, block_size)))
-    bad = [v for v in list(sizes) + causal if not isinstance(v, int) or v < 0] + [b for b in sizes if b == 0]
-    if bad or not sizes or not causal:
+    bad = [v for v in given if not isinstance(v, int) or v < 1] + [v for v in causal if not isinstance(v, int) or v < 0]
+    if bad or not causal:
         raise CloverError("runtime", f"CUDA-graph buckets need batch sizes >= 1 and causal rows >= 0, got "
-                          f"batch {list(batch_sizes or ())} causal {list(causal_rows or ())}")
+                          f"batch {given} causal {list(causal_rows or ())}")
+    sizes = sorted({b for b in (given or BATCH_SIZES) if b <= max_batch} | (set() if given else {max_batch}))
+    if not sizes:
+        raise CloverError("runtime", f"no CUDA-graph batch size in {given} fits the {max_batch} slots",
+                          "give graph_batch_sizes up to the slot count (max_slots)")
     return [Bucket(b, c) for b in sizes for c in causal]
 
 
