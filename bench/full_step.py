@@ -2,9 +2,9 @@
 
 Needs a CUDA GPU with ~80 GB free (weights 69 GB in bf16). Prints the step time of the eager
 plain-torch cores, of the kernels (eager launch and CUDA-graph replay), their ratio, the logit
-agreement, and the bytes-read bound (weights the step reads: every non-routed weight plus the
-experts the step selected, per layer the union over batch rows; K/V read up to past_len) at the
-measured copy bandwidth.
+agreement, and the bytes-read bound by PERF.md 1 (`clover_export.perf_bound`: dense weights, per layer
+the union of the experts selected by any row of the step, the embedding as gathered rows only, K/V and
+GDN states) at the measured copy bandwidth.
 
     python bench/full_step.py [--batch 8] [--past 4096] [--out DIR]
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clover_export import names  # noqa: E402
+from clover_export import names, perf_bound  # noqa: E402
 from clover_export.config import config_from_dict  # noqa: E402
 from clover_export.model.model import CloverModel, Cores, allocate_pools  # noqa: E402
 
@@ -117,13 +116,20 @@ def main():
             model.step(inputs, work)
         res["kernel_graph_ms"] = 1e3 * timed(graph.replay, 10)
     res["speedup_graph_vs_eager"] = res["eager_ms"] / res["kernel_graph_ms"]
-    # bytes the step must read: non-routed weights + selected experts (union over rows per layer) + K/V prefix
-    expert_bytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
-    total_w = sum(p.numel() * p.element_size() for p in model.parameters())
-    routed_w = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-    sel = sizes.max(dim=0).values.float()  # per layer: the largest row's kept set (a lower bound of the union)
-    kv = len(cfg.attention_layers) * 2 * B * args.past * cfg.num_key_value_heads * cfg.head_dim * 2
-    bytes_read = total_w - routed_w + float(sel.sum()) * expert_bytes + kv
+    # bytes the step must read, by PERF.md 1 (clover_export.perf_bound): dense weights, the union of the
+    # experts selected by any row of the step per layer (counted in one uncaptured kernel step), the
+    # embedding as gathered rows, K/V read up to past_len plus the step's own, GDN states read and written
+    from clover_export.runtime.backends.triton_backend import KernelMoE, kernel_cores
+
+    counting = KernelMoE(None)
+    counting.n_causal, counting.selected = inputs[names.N_CAUSAL], []
+    model.cores = kernel_cores(counting)
+    with torch.no_grad():
+        model.step(inputs, {k: v.clone() for k, v in pools.items()})
+    sel = counting.selected
+    step = perf_bound.step_bytes(cfg, rows=B * (C + N), past_len=[args.past] * B, experts_per_layer=sel)
+    bytes_read = step.total
+    res.update(experts_per_layer=sum(sel) / len(sel), bytes_by_part_GB={k: v / 1e9 for k, v in step.to_dict().items()})
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     bw = 2 * x.numel() / timed(lambda: y.copy_(x), 10)

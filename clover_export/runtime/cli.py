@@ -11,21 +11,21 @@ import click
 from clover_export.errors import CloverError
 
 
-def _backend_for(model: str | None, backend: str | None) -> str:
-    from clover_export.runtime.backends import is_artifact
+def _backend_for(model: str | None, backend: str | None, device: str | None = None) -> str:
+    from clover_export.runtime.backends import default_backend
 
-    if backend:
-        return backend
-    return "ort" if is_artifact(model) else "torch"
+    return backend or default_backend(model, device)
 
 
 def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen=False, max_slots=4, threads=None):
     from clover_export.runtime import Generator
 
-    backend = _backend_for(model, backend)
+    backend = _backend_for(model, backend, device)
     opts = {}
     if backend == "torch":
         opts = dict(dtype=dtype, device=device, block_size=block_size, allow_qwen=allow_qwen, threads=threads)
+    elif backend == "triton":
+        opts = dict(dtype=dtype, device=device, block_size=block_size, allow_qwen=allow_qwen)
     elif backend == "ort":
         opts = dict(threads=threads)
     return Generator.load(model, backend=backend, max_slots=max_slots, **opts)
@@ -35,10 +35,12 @@ def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen
 @click.argument("model", required=False)
 @click.option("--prompt", "prompts", multiple=True, required=True,
               help="Prompt text (chat template applied unless --raw). Repeat for a batch.")
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), default=None,
+@click.option("--backend", type=click.Choice(["torch", "ort", "trt", "triton"]), default=None,
               help="Engine to run: torch (reference model), ort (exported artifact; a model folder is exported "
-                   "into the cache on first use), trt (TensorRT engine). "
-                   "Default: ort for an artifact folder (it has manifest.json), torch otherwise.")
+                   "into the cache on first use), trt (TensorRT engine), triton (model folder on the Triton "
+                   "kernels with CUDA graphs; CPU only under TRITON_INTERPRET=1). "
+                   "Default: ort for an artifact folder (it has manifest.json), triton on a CUDA GPU without "
+                   "TensorRT, torch otherwise.")
 @click.option("--max-new-tokens", type=int, default=None, help="Hard limit on response tokens.")
 @click.option("--threshold", type=float, default=None, help="LowConfidence threshold in (0, 1].")
 @click.option("--block-size", type=int, default=None,
@@ -51,8 +53,8 @@ def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen
 @click.option("--top-p", type=float, default=None)
 @click.option("--stop", "stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--raw", is_flag=True, help="Tokenise the prompt as is, without the chat template.")
-@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", help="torch backend dtype.")
-@click.option("--device", default=None, help="torch backend device (default: cuda if available, else cpu).")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", help="torch/triton backend dtype.")
+@click.option("--device", default=None, help="torch/triton backend device (default: cuda if available, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (torch intra-op, or ONNX Runtime intra-op). Default: OMP_NUM_THREADS if set, "
                    "else sized from the work (the embedded default runs on one).")
@@ -76,9 +78,9 @@ def generate(model, prompts, backend, max_new_tokens, threshold, block_size, no_
         params["enable_thinking"] = False
     if sample or temperature is not None or top_k is not None or top_p is not None:
         params["do_sample"] = True
-    backend = _backend_for(model, backend)
-    gen = _load(model, backend, block_size=block_size if backend == "torch" else None, dtype=dtype, device=device,
-                max_slots=max(1, min(len(prompts), 16)), threads=threads)
+    backend = _backend_for(model, backend, device)
+    gen = _load(model, backend, block_size=block_size if backend in ("torch", "triton") else None, dtype=dtype,
+                device=device, max_slots=max(1, min(len(prompts), 16)), threads=threads)
     if block_size is not None:
         params["block_size"] = block_size
     handles = [gen.submit(p, raw=raw, **params) for p in prompts]  # all checked before any compute
@@ -99,7 +101,7 @@ def generate(model, prompts, backend, max_new_tokens, threshold, block_size, no_
 @click.command()
 @click.argument("golden", type=click.Path(exists=True, dir_okay=False))
 @click.argument("model", required=False)
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), default=None,
+@click.option("--backend", type=click.Choice(["torch", "ort", "trt", "triton"]), default=None,
               help="Engine for the response tokens (prompt logits always use the torch reference).")
 @click.option("--allow-qwen", is_flag=True, help="Accept a plain Qwen3.5-MoE folder (Clover tensors zero-filled).")
 @click.option("--atol", type=float, default=None, help="Logit tolerance (default: the file's, else 1e-3).")
@@ -122,7 +124,7 @@ def compare(golden, model, backend, allow_qwen, atol, device):
     report = CompareReport()
     if g.expected_logits is None and g.expected_token_ids is None:
         raise CloverError("compare", f"{golden}: has neither expected_logits nor expected_token_ids")
-    backend = _backend_for(model, backend)
+    backend = _backend_for(model, backend, device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a plain Qwen folder warns about zero-filled Clover tensors
         if g.expected_logits is not None:
@@ -130,7 +132,7 @@ def compare(golden, model, backend, allow_qwen, atol, device):
                                     block_size=g.params.get("block_size"))
             compare_logits(g, ref.prompt_logits(g.prompt_ids), report)
         if g.expected_token_ids is not None:
-            gen = _load(model, backend, block_size=g.params.get("block_size") if backend == "torch" else None,
+            gen = _load(model, backend, block_size=g.params.get("block_size") if backend in ("torch", "triton") else None,
                         dtype="fp32", device=device, allow_qwen=allow_qwen, max_slots=1)
             res = gen.generate(prompt_ids=g.prompt_ids, **g.params)
             compare_tokens(g, res.token_ids, report)

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 from clover_export.errors import CloverError
 from clover_export.generation import GenerationSettings, load_generation_settings
-from clover_export.runtime.backends import Backend, open_backend
+from clover_export.runtime.backends import Backend, default_backend, open_backend
 from clover_export.runtime.loop import BlockEvent, Loop
 from clover_export.runtime.output import Result, StreamChunk, TextTracker
 from clover_export.runtime.request import Request
@@ -168,16 +168,21 @@ class Generator:
         self.handles: dict[int, Stream] = {}
 
     @classmethod
-    def load(cls, model_or_artifact: str | Path | None = None, backend: str = "torch", *,
+    def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
              max_slots: int = 4, max_context: int | None = None, prefill_chunk: int = 256,
              fold_commit: bool = True, early_stop: bool = True, **backend_options: Any) -> "Generator":
         """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once.
 
         backend_options go to the backend: torch takes dtype ("auto", "fp32",
-        "bf16"), device, block_size, allow_qwen, threads; ort takes providers, threads
-        (and a model folder or None, exported into the cache on first use). CPU threads
-        follow runtime/threads.py; the caller's torch.get_num_threads() is left as it was.
+        "bf16"), device, block_size, allow_qwen, threads; triton takes dtype, device,
+        block_size, allow_qwen plus fp8_experts, cuda_graphs, graph_batch_sizes,
+        graph_causal_rows, eager_fallback; ort takes providers, threads (and a model
+        folder or None, exported into the cache on first use). CPU threads follow
+        runtime/threads.py; the caller's torch.get_num_threads() is left as it was.
+        backend None: `backends.default_backend` (ort for an artifact, triton on a CUDA GPU
+        without TensorRT, else torch).
         """
+        backend = backend or default_backend(model_or_artifact, backend_options.get("device"))
         be = open_backend(backend, model_or_artifact, **backend_options)
         return cls(be, be.source_dir, max_slots=max_slots, max_context=max_context, prefill_chunk=prefill_chunk,
                    fold_commit=fold_commit, early_stop=early_stop)

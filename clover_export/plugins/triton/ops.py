@@ -105,10 +105,14 @@ def _arch(device: torch.device) -> int:
     return major * 10 + minor
 
 
-def moe_route(x, router_w, top_k: int, top_p: float, coreset: bool, block_size: int):
+def moe_route(x, router_w, top_k: int, top_p: float, coreset: bool, block_size: int, n_causal=None,
+              router_bias=None):
     """Routing of `moe_core`: (idx [B, T, k] int32 with E for "none", weights [B, T, k] x.dtype, distinct [B] int32).
 
     Torch glue: the router logits, `F.linear` exactly as the reference computes them.
+    With `n_causal` [B], padding causal rows (at or past n_causal) select no
+    expert (PERF.md 1): their pairs sort last and no expert kernel reads them.
+    `router_bias` [E] is added to the router logits (benchmarks plant a skewed router with it).
     """
     import torch.nn.functional as F
 
@@ -120,23 +124,30 @@ def moe_route(x, router_w, top_k: int, top_p: float, coreset: bool, block_size: 
     w = torch.empty(B, T, top_k, dtype=x.dtype, device=x.device)
     distinct = torch.zeros(B, dtype=_I32, device=x.device)
     if B * T:
-        logits = F.linear(x, router_w)  # [B, T, E] in the model dtype
+        logits = F.linear(x, router_w, router_bias)  # [B, T, E] in the model dtype
         rc = launch.moe_route_constexprs(E, top_k, block_size, top_p, coreset)
         kern.moe_route_kernel[launch.moe_route_grid(B, T, rc)](logits, T, idx, w, distinct, **rc,
                                                                **launch.MOE_ROUTE_LAUNCH, **_FUSION)
+        if n_causal is not None and T > block_size:
+            rows = torch.arange(T - block_size, device=x.device)
+            pad = rows[None, :] >= n_causal.to(rows.dtype)[:, None]  # [B, Tc]
+            idx[:, :T - block_size].masked_fill_(pad[..., None], E)
+            w[:, :T - block_size].masked_fill_(pad[..., None], 0)
     return idx, w, distinct
 
 
 def coreset_moe(x, router_w, gate_up, down, top_k: int, top_p: float, coreset: bool, block_size: int,
-                *, gate_up_scale=None, down_scale=None, arch: int | None = None, tiles: dict | None = None):
+                *, gate_up_scale=None, down_scale=None, arch: int | None = None, tiles: dict | None = None,
+                n_causal=None, router_bias=None):
     """`moe_core`: returns (routed [B, T, D], distinct experts of each row's block [B] int32).
 
     FP8 weights: `gate_up`/`down` in float8_e4m3fn with fp32 per-output-channel
     scales `gate_up_scale` [E, 2I] and `down_scale` [E, D]; activations stay
     in x's dtype. `tiles` overrides entries of `launch.MOE_TILES` (benchmark sweeps).
+    `n_causal` [B]: padding causal rows select no expert (their output rows are 0).
     """
     x = x.contiguous()
-    idx, w, distinct = moe_route(x, router_w, top_k, top_p, coreset, block_size)
+    idx, w, distinct = moe_route(x, router_w, top_k, top_p, coreset, block_size, n_causal, router_bias)
     out = moe_experts(x, idx, w, gate_up, down, gate_up_scale=gate_up_scale, down_scale=down_scale, arch=arch,
                       tiles=tiles)
     return out, distinct

@@ -19,7 +19,7 @@ from clover_export.config import CloverConfig
 from clover_export.errors import CloverError
 from clover_export.runtime.scheduler import StepShape
 
-BACKENDS = ("torch", "ort", "trt")
+BACKENDS = ("torch", "ort", "trt", "triton")
 
 
 class Backend(Protocol):
@@ -42,9 +42,21 @@ def is_artifact(path: str | Path | None) -> bool:
     return path is not None and (Path(path) / "manifest.json").is_file()
 
 
+def default_backend(model_or_artifact=None, device: str | None = None) -> str:
+    """ort for an artifact; else triton on a CUDA GPU without TensorRT (the compiled path); else torch."""
+    import importlib.util
+
+    if is_artifact(model_or_artifact):
+        return "ort"
+    on_cuda = str(device).startswith("cuda") if device else torch.cuda.is_available()
+    if on_cuda and importlib.util.find_spec("triton") and not importlib.util.find_spec("tensorrt"):
+        return "triton"
+    return "torch"
+
+
 def open_backend(name: str, model_or_artifact=None, **options) -> Backend:
-    """`torch` takes a model folder (or None = the embedded default); `ort` an exported artifact;
-    `trt` a TensorRT engine (file or folder)."""
+    """`torch` and `triton` take a model folder (or None = the embedded default); `ort` an exported
+    artifact; `trt` a TensorRT engine (file or folder)."""
     if name == "torch":
         from clover_export.runtime.backends.torch_backend import TorchBackend
 
@@ -56,6 +68,10 @@ def open_backend(name: str, model_or_artifact=None, **options) -> Backend:
         from clover_export.runtime.backends.ort_backend import OrtBackend
 
         return OrtBackend.load(model_or_artifact, **options)
+    if name == "triton":
+        from clover_export.runtime.backends.triton_backend import TritonBackend
+
+        return TritonBackend.load(model_or_artifact, **options)
     if name == "trt":
         from clover_export.runtime.backends.trt_backend import TrtBackend
 

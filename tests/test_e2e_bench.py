@@ -1,0 +1,52 @@
+"""bench/e2e_gpu.py runs end to end: its dry run (tiny config, CPU, TRITON_INTERPRET=1) goes through every section.
+
+The GPU run is the same code with the full config, bf16 and CUDA graphs; this is
+what makes it likely to run the first time it meets a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_e2e_gpu_dry_run_covers_every_section(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-u", str(ROOT / "bench/e2e_gpu.py"), "--dry-run", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "e2e_gpu.json").read_text())
+    assert set(res["sections"].values()) == {"ok"}, res["sections"]
+    rows = res["rows"]
+    kinds = {(r["experts"], r["router"], r["step"]) for r in rows}
+    assert kinds == {(e, r, s) for e in ("bf16", "fp8") for r in ("random", "zipf")
+                     for s in ("denoise", "commit+denoise", "ar")}, (res["sections"], proc.stdout[-2000:])
+    from clover_export import perf_bound
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import e2e_gpu
+
+    cfg = e2e_gpu.config(e2e_gpu.argparse.Namespace(dry_run=True))
+    for r in rows:
+        assert 0 < r["experts_per_layer"] <= cfg.num_experts
+        if r["step"] == "ar":  # one row per request, plain top-k: between k and B x k experts
+            assert cfg.num_experts_per_tok <= r["experts_per_layer"] <= r["B"] * cfg.num_experts_per_tok
+        rows_n = r["B"] * (r["causal"] + r["block"])
+        want = perf_bound.step_bytes(cfg, rows=rows_n, past_len=[res["env"]["past"]] * r["B"],
+                                     experts_per_layer=r["experts_per_layer"], fp8=r["experts"] == "fp8", dtype_bytes=4)
+        assert r["bytes_GB"] == pytest.approx(want.total / 1e9, rel=1e-9)
+        assert r["time_over_bound"] == pytest.approx(r["step_ms"] / r["bound_ms"])
+    zipf = [r["experts_per_layer"] for r in rows if r["router"] == "zipf" and r["step"] == "denoise"]
+    rand = [r["experts_per_layer"] for r in rows if r["router"] == "random" and r["step"] == "denoise"]
+    assert max(zipf) < min(rand), (zipf, rand)  # the planted skew selects fewer experts
+    assert {r["tokens_per_forward"] for r in res["tokens_per_s"]} == {1.0, 2.55, 3.19}
+    assert res["eager"] and all(r["compiled_vs_eager"] > 0 for r in res["eager"])
+    assert (tmp_path / "e2e_gpu.md").read_text().count("|") > 50
