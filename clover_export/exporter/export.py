@@ -95,14 +95,19 @@ def export(
     max_len: int | None = None,
     allow_qwen: bool = False,
     log: Callable[[str], None] = lambda s: None,
+    config: CloverConfig | None = None,
+    tensor_plans: dict | None = None,
 ) -> ExportResult:
-    """Export MODEL's step graph into OUT (see the module docstring); returns what was done."""
+    """Export MODEL's step graph into OUT (see the module docstring); returns what was done.
+
+    `config` + `tensor_plans` replace the folder's config and checkpoint plan (a slice of the model:
+    `exporter/slice.py`); the manifest still names MODEL's folder."""
     t0 = time.perf_counter()
     if weights not in A.WEIGHT_MODES:
         raise CloverError("export", f"unknown weights mode {weights!r}", f"expected one of {', '.join(A.WEIGHT_MODES)}")
     torch_dtype = parse_dtype(dtype)
     model_dir = resolve_model_dir(model)
-    cfg = load_config(model_dir)
+    cfg = load_config(model_dir) if config is None else config
     N = cfg.block_size if block_size is None else block_size
     slots = max_batch if slots is None else slots
     max_len = cfg.max_context if max_len is None else max_len
@@ -113,7 +118,8 @@ def export(
         raise CloverError("export", f"--slots ({slots}) is below --max-batch ({max_batch})", "each batch row owns one slot")
     out = Path(out).absolute()
     _refuse_overlap(model_dir, out)
-    plans = plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=allow_qwen)  # every problem, before any work
+    plans = tensor_plans if tensor_plans is not None else \
+        plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=allow_qwen)  # every problem, before any work
     log(f"model: {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers), graph dtype {dtype}, block {N}")
     t = time.perf_counter()
     traced = trace_step(cfg, torch_dtype, N)
