@@ -74,13 +74,26 @@ def build(model, out, precision, max_batch, max_context, chunk, weights, calib, 
     measure top-1 agreement with the fp32 graph) -> TensorRT engine. Where
     TensorRT or a GPU is missing the engine stage is skipped with the reason
     and the command still succeeds (unless --require-engine).
+
+    At the real model's size: a disk plan refuses up front when OUT's
+    filesystem is too small; no weight is converted into a new file (the
+    fp32 graph casts the bf16 shards in the graph); FP8 weights are written
+    once and shared by both FP8 graphs; calibration streams the model layer
+    by layer; where the whole graph does not fit in memory, one layer of
+    each kind is validated at full width instead. Ctrl-C keeps finished
+    stages; re-running continues.
     """
     from clover_export.engines.build import BuildOptions, build as run_build
 
     opts = BuildOptions(precision=precision, max_batch=max_batch, max_context=max_context, chunk=chunk,
                         weights=weights, calib=calib, gpu_memory_gib=gpu_memory, strip_weights=strip_weights,
                         require_engine=require_engine, allow_qwen=allow_qwen)
-    res = run_build(model, out, opts, log=click.echo)
+    try:
+        res = run_build(model, out, opts, log=click.echo)
+    except KeyboardInterrupt:  # every stage writes atomically: the finished ones stay reusable
+        click.echo(f"build interrupted: finished stages are kept in {out} (build.json); run the same command "
+                   "again to continue", err=True)
+        raise SystemExit(130) from None
     done = "engine " + str(res.engine) if res.engine else "no engine (" + "; ".join(res.skipped) + ")"
     click.echo(f"build finished: {res.out} ({done})")
 
