@@ -144,7 +144,7 @@ def export(
             writer.close()
         proto = traced.model
         proto.graph.initializer.extend(writer.initializers)
-        nodes = list(writer.nodes) + list(proto.graph.node)
+        nodes = weight_nodes_before_use(list(writer.nodes), list(proto.graph.node))
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
         onnx.save_model(proto, str(tmp / A.GRAPH))
@@ -173,6 +173,41 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out, writer.report, time.perf_counter() - t0, written, len(report.failures))
+
+
+def weight_nodes_before_use(weight_nodes: list, nodes: list) -> list:
+    """The weight nodes (casts of stored dtypes, per-expert Concat + Reshape) each placed right before the
+    first node that reads them: ONNX Runtime follows the order, so a cast weight lives only while used
+    (at full size an fp32 embedding or expert tensor is GBs; issue 11)."""
+    producer = {o: n for n in weight_nodes for o in n.output}
+    done: set[int] = set()
+    out: list = []
+
+    def emit(name: str) -> None:
+        n = producer.get(name)
+        if n is None or id(n) in done:
+            return
+        done.add(id(n))
+        for i in n.input:
+            emit(i)
+        out.append(n)
+
+    for node in nodes:
+        for i in _reads(node):
+            emit(i)
+        out.append(node)
+    out += [n for n in weight_nodes if id(n) not in done]
+    return out
+
+
+def _reads(node) -> list[str]:
+    """A node's inputs and the outer-scope names its subgraphs read."""
+    names_ = [i for i in node.input if i]
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for n in g.node:
+                names_ += _reads(n)
+    return names_
 
 
 def _chmod_like_umask(path: Path) -> None:

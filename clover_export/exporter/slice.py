@@ -6,9 +6,10 @@ model. A slice is the model cut down to ONE decoder layer -- the first
 layer of a kind (GDN, attention) -- with the embedding, final norm and
 lm_head, every tensor the real one at full width. It is exported by the same
 code as the whole graph (`export(..., config=, tensor_plans=)`, weights
-referenced, cast in the graph), then played in ONNX Runtime (CPU, graph
-optimisations off so the in-graph casts are not folded into resident fp32
-copies) and, after that session is gone, by the reference model built from
+referenced in place -- `map`: ONNX Runtime gets the shards' memory-mapped
+bytes -- and cast in the graph), then played in ONNX Runtime (CPU, graph
+optimisations and the memory arena off, so the in-graph casts are neither
+folded into resident fp32 copies nor pooled) and, after that session is gone, by the reference model built from
 the same checkpoint tensors; the validation scenario and tolerances are
 `validate.py`'s. One layer's weights are resident at a time.
 
@@ -111,7 +112,7 @@ def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, ma
         scfg = slice_config(cfg, layer)
         folder = work / f"slice-layer{layer}"
         try:
-            export(model_dir, folder, dtype="fp32", weights="link", block_size=block_size, chunk=chunk,
+            export(model_dir, folder, dtype="fp32", weights="map", block_size=block_size, chunk=chunk,
                    max_batch=max_batch, max_len=max(64, 2 * block_size + 16), config=scfg,
                    tensor_plans=graph_plans(plans, layer))
             passed, text = _play_and_compare(folder, scfg, slice_plans(plans, layer))
@@ -137,6 +138,7 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
     pools = V.initial_pools(art, V.NUM_SLOTS, V.pool_len(plans_, art.block_size), seed=1)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # no folded fp32 weight copies
+    so.enable_cpu_mem_arena = False  # the in-graph casts' fp32 buffers are freed after use, not pooled
     runner = V.OrtRunner.__new__(V.OrtRunner)
     runner.name, runner.outputs = "onnxruntime-cpu", art.output_names
     runner.session = ort_session(art, ["CPUExecutionProvider"], session_options=so)
