@@ -32,8 +32,8 @@ from export_fullsize import full_config, write_sparse_checkpoint  # noqa: E402
 
 GiB = 2**30
 WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
-           "print('PEAK_RSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, file=sys.stderr); "
-           "sys.exit(rc)")
+           "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+           "print('PEAK_RSS', u.ru_maxrss * 1024, u.ru_utime + u.ru_stime, file=sys.stderr); sys.exit(rc)")
 
 
 def written_bytes(folder: Path, skip: set) -> int:
@@ -54,12 +54,13 @@ def run_build(ckpt: Path, out: Path, precision: str) -> dict:
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t
-    peak = next(int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("PEAK_RSS"))
+    peak, cpu = next((int(w[1]), float(w[2])) for w in map(str.split, proc.stderr.splitlines())
+                     if w and w[0] == "PEAK_RSS")
     log = [line for line in proc.stdout.splitlines() if line.startswith("[") or "plan" in line or "build" in line]
     if proc.returncode:
         print("\n".join(proc.stdout.splitlines()[-30:]), "\n", proc.stderr[-3000:])
         raise SystemExit(f"{precision} build failed (exit {proc.returncode})")
-    return {"wall": wall, "peak": peak, "log": log}
+    return {"wall": wall, "peak": peak, "cpu": cpu, "log": log}
 
 
 def plain_write(path: Path, nbytes: int, chunk: int = 64 * 2**20) -> float:
@@ -88,12 +89,13 @@ def main() -> None:
     app, alloc = write_sparse_checkpoint(ckpt)
     print(f"checkpoint: {app / 1e9:.1f} GB apparent, {alloc / 2**20:.1f} MiB on disk (sparse, per-expert layout)")
     shards = {(p.stat().st_dev, p.stat().st_ino) for p in ckpt.glob("*.safetensors")}
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared: timings are noisy)")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared: timings are noisy; "
+          "CPU seconds are the child's user + system time)")
     try:
         if args.only in (None, "bf16"):
             r = run_build(ckpt, work / "build-bf16", "bf16")
             print("\n".join("  " + line for line in r["log"]))
-            print(f"bf16 build: wall {r['wall']:.1f} s, peak RSS {r['peak'] / GiB:.2f} GiB, bytes written "
+            print(f"bf16 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), peak RSS {r['peak'] / GiB:.2f} GiB, bytes written "
                   f"{written_bytes(work / 'build-bf16', shards) / 2**20:.1f} MiB  (targets: <= 180 s, <= 12 GiB, "
                   "no weight bytes)")
             if not args.keep:
@@ -116,7 +118,7 @@ def main() -> None:
 
             stages = json.loads((work / "build-fp8" / "build.json").read_text())["stages"]
             qsec = stages["fp8-weights"]["result"]["seconds"]
-            print(f"fp8 build: wall {r['wall']:.1f} s, peak RSS {r['peak'] / GiB:.2f} GiB, bytes written "
+            print(f"fp8 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), peak RSS {r['peak'] / GiB:.2f} GiB, bytes written "
                   f"{written / GiB:.2f} GiB = {written / fp8_gemm:.3f} x the FP8 weight bytes ({fp8_gemm / GiB:.2f} GiB)")
             print(f"  quantisation stage: {fp8_file / GiB:.2f} GiB in {qsec:.1f} s = {fp8_file / qsec / 2**20:.0f} MiB/s "
                   f"vs plain write {fp8_file / plain / 2**20:.0f} MiB/s; wall {r['wall']:.0f} s vs target "

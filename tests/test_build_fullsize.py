@@ -175,11 +175,26 @@ def test_layer_streamed_calibration_equals_whole_model_calibration(model):
     for a, b in zip(whole_steps, steps):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert got.keys() == whole.keys() and len(got) > 0
-    for k in whole:
-        assert got[k] == pytest.approx(whole[k], rel=1e-6, abs=0), k
+    for k in whole:  # routed experts on row subsets: fp32 GEMM rounding of other shapes only
+        assert got[k] == pytest.approx(whole[k], rel=1e-5, abs=0), k
     # our forward hook runs after the streaming hook: at most the layer itself was resident, nothing after
     assert seen and all(r == [] for r in seen)
     assert resident_layers(streamed) == []
+
+
+def test_routed_moe_core_equals_the_dense_core():
+    from clover_export.engines.stream_calib import routed_moe_core
+    from clover_export.model.moe import moe_core
+
+    g = torch.Generator().manual_seed(0)
+    B, T, D, E, I, N = 3, 12, 16, 10, 8, 4
+    args = (torch.randn(B, T, D, generator=g, dtype=torch.float64), torch.randn(E, D, generator=g, dtype=torch.float64),
+            torch.randn(E, 2 * I, D, generator=g, dtype=torch.float64), torch.randn(E, D, I, generator=g, dtype=torch.float64))
+    for coreset in (True, False):
+        want, wd = moe_core(*args, 3, 0.9, coreset, N)
+        got, gd = routed_moe_core(*args, 3, 0.9, coreset, N)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(gd, wd)
 
 
 def test_streamed_layers_hold_one_layer_at_a_time(model):

@@ -6,9 +6,15 @@ on the meta device and gives each decoder layer a pre-forward hook that
 reads its weights from the checkpoint's shards (memory-mapped, converted
 to the model dtype, moved to the device) and a forward hook that drops them
 again: one layer's weights are resident at a time, next to the embedding,
-final norm and lm_head. The model's own `step` runs unchanged, so
-calibration hooks on its Linear modules see exactly what the whole model
-would show them (tests/test_build_fullsize.py compares the two).
+final norm and lm_head. The model's own `step` runs unchanged (but for the
+MoE core, below), so calibration hooks on its Linear modules see what the
+whole model would show them (tests/test_build_fullsize.py compares the two).
+
+The reference `moe_core` is dense over experts (no data-dependent control
+flow, as the graph needs): 256 experts x every row is ~1.6 GFLOP per token
+and layer at full size, hours of CPU for calibration. `routed_moe_core`
+computes each expert only on the rows routed to it: the same routing and
+sum in the same expert order; the dense core adds exact zeros elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from clover_export.checkpoint import TensorReader, locate_tensors, plan_tensors
 
@@ -40,9 +47,35 @@ class _Progress:
         self.bar.close()
 
 
+def routed_moe_core(x, router_w, gate_up, down, top_k: int, top_p: float, coreset: bool, block_size: int):
+    """`model.moe.moe_core` with each expert run only on its routed rows (module docstring)."""
+    from clover_export import assumed
+    from clover_export.model.moe import route
+
+    B, T, D = x.shape
+    Tc, E = T - block_size, router_w.shape[0]
+    probs = torch.softmax(F.linear(x, router_w).float(), dim=-1)  # as moe_core from here to `route`
+    allowed = torch.ones_like(probs, dtype=torch.bool)
+    if coreset and block_size > 0:
+        keep = assumed.coreset_mask(probs[:, Tc:], top_k, top_p)
+        allowed = torch.cat([allowed[:, :Tc], keep.unsqueeze(1).expand(B, block_size, E)], dim=1)
+    weights, chosen = route(probs, allowed, top_k)
+    weights = weights.to(x.dtype).reshape(-1, E)
+    flat, picked = x.reshape(-1, D), chosen.reshape(-1, E)
+    out = torch.zeros_like(flat)
+    for e in torch.nonzero(picked.any(0)).flatten().tolist():
+        rows = torch.nonzero(picked[:, e]).flatten()
+        gate, up = F.linear(flat[rows], gate_up[e]).chunk(2, dim=-1)
+        out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e]) * weights[rows, e:e + 1])
+    distinct = chosen[:, Tc:].any(dim=1).sum(-1).to(torch.int32)
+    return out.reshape(B, T, D), distinct
+
+
 def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.dtype = torch.float32,
                    device: str | None = None, desc: str = "calibrate"):
     """A `CloverModel` whose decoder layers load their weights on entry and drop them on exit."""
+    from dataclasses import replace
+
     from clover_export.config import load_config
     from clover_export.models import build_model
 
@@ -77,6 +110,7 @@ def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.
 
         layer.register_forward_pre_hook(load)
         layer.register_forward_hook(drop)
+    model.cores = replace(model.cores, moe=routed_moe_core)
     model.eval().requires_grad_(False)
     inner_step = model.step
 
