@@ -144,14 +144,26 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
     runner.session = ort_session(art, ["CPUExecutionProvider"], session_options=so)
     got = V.play(runner, feeds, pools)
     del runner
-    gc.collect()
+    _release_memory()
     ref = _ReferenceSlice(scfg, plans, art)
     expected = V.play(ref, feeds, pools)
     del ref
-    gc.collect()
+    _release_memory()
     rep = V.ValidationReport(steps=[p.name for p in plans_], runners=["onnxruntime-cpu"])
     rep.errors = V.compare("onnxruntime-cpu", got, expected, V.fp32_tolerance)
     return rep.passed, rep.format()
+
+
+def _release_memory() -> None:
+    """Collect, then hand freed heap pages back to the OS (glibc keeps ONNX Runtime's freed buffers otherwise:
+    measured at full size, 11 GiB resident during the reference run instead of ~8)."""
+    import ctypes
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class _ReferenceSlice:
