@@ -263,3 +263,17 @@ def test_disk_plan_counts_fp8_weights_once_and_reused_stages_as_zero(model, tmp_
     big = plan_disk(tmp_path, cfg, model, "bf16", "copy", {}, None)
     shards = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     assert big.stages["export-fp32"] >= shards and math.isclose(big.stages["export-bf16"], big.stages["export-fp32"])
+
+
+def test_ctrl_c_in_the_cli_says_how_to_continue(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from clover_export.cli import main
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "build", interrupted)
+    r = CliRunner().invoke(main, ["build", "tiny", "--out", str(tmp_path / "b"), "--validation", "slice"])
+    assert r.exit_code == 130
+    assert "interrupted" in r.output and "run the same command again" in r.output and "Traceback" not in r.output

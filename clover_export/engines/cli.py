@@ -65,8 +65,11 @@ def plans_lines(plans: dict) -> list[str]:
 @click.option("--strip-weights", is_flag=True, help="Weight-stripped plan, refitted from the ONNX graph at load.")
 @click.option("--require-engine", is_flag=True, help="Exit non-zero when no TensorRT engine can be built here.")
 @click.option("--allow-qwen", is_flag=True, help="Allow a plain Qwen3.5-MoE checkpoint (Clover tensors zero-filled).")
+@click.option("--validation", type=click.Choice(["auto", "whole", "slice"]), default="auto", show_default=True,
+              help="whole: every graph against the reference model in ONNX Runtime (~5x the bf16 weights in RAM); "
+                   "slice: one layer of each kind at full width; auto: whole when it fits in half the memory.")
 def build(model, out, precision, max_batch, max_context, chunk, weights, calib, gpu_memory, strip_weights,
-          require_engine, allow_qwen):
+          require_engine, allow_qwen, validation):
     """Turn MODEL into validated ONNX graphs and a TensorRT engine.
 
     Stages: memory plan -> export (fp32 and bf16 step graphs) -> ONNX Runtime
@@ -87,7 +90,7 @@ def build(model, out, precision, max_batch, max_context, chunk, weights, calib, 
 
     opts = BuildOptions(precision=precision, max_batch=max_batch, max_context=max_context, chunk=chunk,
                         weights=weights, calib=calib, gpu_memory_gib=gpu_memory, strip_weights=strip_weights,
-                        require_engine=require_engine, allow_qwen=allow_qwen)
+                        require_engine=require_engine, allow_qwen=allow_qwen, validation=validation)
     try:
         res = run_build(model, out, opts, log=click.echo)
     except KeyboardInterrupt:  # every stage writes atomically: the finished ones stay reusable
