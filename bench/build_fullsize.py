@@ -81,7 +81,8 @@ def plain_write(path: Path, nbytes: int, chunk: int = 64 * 2**20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp folder in /tmp)")
-    ap.add_argument("--only", choices=["bf16", "fp8"], default=None)
+    ap.add_argument("--only", choices=["bf16", "fp8", "fp8-weights"], default=None,
+                    help="fp8-weights: only the FP8 weight stage (quantise + write) vs the plain write")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the build folders")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="clover-build-fullsize-"))
@@ -123,9 +124,39 @@ def main() -> None:
             print(f"  quantisation stage: {fp8_file / GiB:.2f} GiB in {qsec:.1f} s = {fp8_file / qsec / 2**20:.0f} MiB/s "
                   f"vs plain write {fp8_file / plain / 2**20:.0f} MiB/s; wall {r['wall']:.0f} s vs target "
                   f"1.5 x {plain:.0f} s + 120 s = {1.5 * plain + 120:.0f} s")
+        if args.only == "fp8-weights":
+            fp8_weights_only(ckpt, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def fp8_weights_only(ckpt: Path, work: Path) -> None:
+    """The FP8 weight stage of `build` alone (as a subprocess) next to a plain write of the same bytes."""
+    from clover_export.config import config_from_dict
+    from clover_export.engines.disk_plan import fp8_weight_file_bytes
+
+    nbytes = fp8_weight_file_bytes(config_from_dict(full_config()))
+    plain = plain_write(work / "plain-write.bin", nbytes)
+    print(f"plain sequential write of {nbytes / GiB:.2f} GiB: {plain:.1f} s ({nbytes / plain / 2**20:.0f} MiB/s)")
+    code = ("import sys, time, os; from pathlib import Path; from clover_export.config import load_config; "
+            "from clover_export.checkpoint import locate_tensors, plan_tensors; "
+            "from clover_export.sizing import fp8_weight_names; from clover_export.engines.fp8_weights import quantize_weights; "
+            "m = Path(sys.argv[1]); cfg = load_config(m); plans = plan_tensors(cfg, locate_tensors(m)); "
+            "w = quantize_weights(plans, fp8_weight_names(cfg), Path(sys.argv[2])); "
+            "f = os.open(w.bin, os.O_RDONLY); os.fsync(f); print('written', w.bytes_written)")
+    cmd = [sys.executable, "-c", WRAPPER, sys.executable, "-c", code, str(ckpt), str(work / "fp8-weights")]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-3000:])
+    peak, cpu = next((int(w[1]), float(w[2])) for w in map(str.split, proc.stderr.splitlines()) if w and w[0] == "PEAK_RSS")
+    written = written_bytes(work / "fp8-weights", set())
+    print(f"fp8-weights stage: wall {wall:.1f} s (CPU {cpu:.1f} s, fsync included), peak RSS {peak / GiB:.2f} GiB, "
+          f"{written / GiB:.2f} GiB written = {written / nbytes:.3f} x planned; {written / wall / 2**20:.0f} MiB/s "
+          f"vs plain {nbytes / plain / 2**20:.0f} MiB/s; wall / plain = {wall / plain:.2f}")
+    shutil.rmtree(work / "fp8-weights")
 
 
 if __name__ == "__main__":
