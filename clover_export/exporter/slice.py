@@ -155,8 +155,8 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
 
 
 def _release_memory() -> None:
-    """Collect, then hand freed heap pages back to the OS (glibc keeps ONNX Runtime's freed buffers otherwise:
-    measured at full size, 11 GiB resident during the reference run instead of ~8)."""
+    """Collect, then hand freed heap pages back to the OS (glibc may keep ONNX Runtime's freed buffers
+    resident otherwise, under the reference run's own ~7 GiB at full size)."""
     import ctypes
 
     gc.collect()
