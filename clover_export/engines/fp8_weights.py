@@ -7,14 +7,17 @@ the e4m3 bytes and fp32 per-output-channel scales to one file, `fp8.bin`,
 with an index `fp8.json`. Both FP8 graphs of a build (fp32 and bf16
 activations) link that one file: the FP8 weights are written once.
 Memory stays bounded by one expert's (or one 2-D tensor's) fp32 copy.
-All-zero data (a sparse test checkpoint) takes a fast path with the same
-result as the general one: q = 0, scale 1 (`quantize.weight_scales`).
+All-zero data takes a fast path with the same result as the general one:
+q = 0, scale 1 (`quantize.weight_scales`); a hole of a sparse file (a test
+checkpoint) is recognised with SEEK_DATA without reading it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 
 from clover_export.checkpoint import TensorLocation, TensorPlan
-from clover_export.engines.quantize import FP8_DTYPE, quantize_weight
+from clover_export.engines.quantize import quantize_weight
 
 FP8_BIN = "fp8.bin"
 FP8_INDEX = "fp8.json"
@@ -57,8 +60,20 @@ def fp8_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
     return total
 
 
-def _read(loc: TensorLocation, rows: slice | None = None) -> torch.Tensor:
-    """One tensor (or a leading-dim slice of it) from its shard, memory-mapped; float32 out."""
+def _is_hole(path: Path, offset: int, length: int) -> bool:
+    """True when [offset, offset + length) of the file is a hole (reads as zeros, nothing stored)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.lseek(fd, offset, os.SEEK_DATA) >= offset + length
+    except OSError as e:  # ENXIO: no data after offset; EINVAL etc.: no SEEK_DATA here
+        return e.errno == errno.ENXIO
+    finally:
+        os.close(fd)
+
+
+def _read(loc: TensorLocation, rows: slice | None = None) -> torch.Tensor | None:
+    """One tensor (or a leading-dim slice of it) from its shard, memory-mapped; float32 out; None when
+    the bytes are a hole of a sparse file (all zero)."""
     from clover_export.exporter.weights import storage_dtype
 
     itemsize = np.dtype(storage_dtype(loc.dtype)).itemsize
@@ -67,25 +82,29 @@ def _read(loc: TensorLocation, rows: slice | None = None) -> torch.Tensor:
         per = math.prod(shape[1:]) * itemsize
         offset += rows.start * per
         shape[0] = rows.stop - rows.start
+    if _is_hole(loc.file, offset, math.prod(shape) * itemsize):
+        return None
     arr = np.memmap(loc.file, dtype=storage_dtype(loc.dtype), mode="r", offset=offset, shape=tuple(shape))
-    if not arr.any():  # all-zero (sparse) data: no conversion needed
-        return torch.zeros(shape)
     t = torch.from_numpy(np.array(arr))
     return t.view(torch.bfloat16).float() if loc.dtype == "BF16" else t.float()
 
 
 def _pieces(plan: TensorPlan):
-    """The tensor in bounded pieces along its leading dim: one expert at a time for [E, out, in]."""
+    """(shape, tensor or None if all zero) in bounded pieces along the leading dim: one expert at a time."""
+    piece_shape = tuple(plan.shape[1:]) if len(plan.shape) == 3 else tuple(plan.shape)
     if not plan.fused:
         for grp in plan.parts:
-            yield torch.cat([_read(loc) for loc in grp], dim=0)
+            parts = [_read(loc) for loc in grp]
+            yield piece_shape, None if all(p is None for p in parts) else torch.cat(
+                [torch.zeros(loc.shape) if p is None else p for p, loc in zip(parts, grp)], dim=0)
         return
     loc = plan.parts[0][0]
     if len(plan.shape) == 3:
         for e in range(plan.shape[0]):
-            yield _read(loc, slice(e, e + 1))[0]
+            t = _read(loc, slice(e, e + 1))
+            yield piece_shape, None if t is None else t[0]
     else:
-        yield _read(loc)
+        yield piece_shape, _read(loc)
 
 
 def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path,
@@ -109,13 +128,13 @@ def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path
             for name in it:
                 plan = plans[name]
                 start, scales = None, []
-                for piece in _pieces(plan):
-                    if not piece.any():  # all zero: q = 0 and scale 1 (quantize.weight_scales)
-                        q = torch.zeros(piece.shape, dtype=FP8_DTYPE)
-                        s = torch.ones(piece.shape[:-1])
+                for shape, piece in _pieces(plan):
+                    if piece is None or not piece.any():  # all zero: q = 0 and scale 1 (quantize.weight_scales)
+                        raw, s = bytes(math.prod(shape)), torch.ones(shape[:-1])
                     else:
                         q, s = quantize_weight(piece)
-                    at = put(q.view(torch.uint8).numpy().tobytes()) if start is None else _append(f, q)
+                        raw = q.view(torch.uint8).numpy().tobytes()
+                    at = put(raw) if start is None else _append(f, raw)
                     start = at if start is None else start
                     scales.append(s.float())
                 scale = torch.stack(scales) if len(plan.shape) == 3 else scales[0]
@@ -131,8 +150,8 @@ def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path
     return Fp8Weights(out, index, written)
 
 
-def _append(f, q: torch.Tensor) -> int:
+def _append(f, raw: bytes) -> int:
     """Next expert right after the previous one (one contiguous [E, out, in] tensor)."""
     at = f.tell()
-    f.write(q.view(torch.uint8).numpy().tobytes())
+    f.write(raw)
     return at
