@@ -277,3 +277,32 @@ def test_ctrl_c_in_the_cli_says_how_to_continue(monkeypatch, tmp_path):
     r = CliRunner().invoke(main, ["build", "tiny", "--out", str(tmp_path / "b"), "--validation", "slice"])
     assert r.exit_code == 130
     assert "interrupted" in r.output and "run the same command again" in r.output and "Traceback" not in r.output
+
+
+def test_sparse_holes_quantise_to_zeros_without_reading(tmp_path, monkeypatch):
+    """A sparse shard (header, then a hole): SEEK_DATA says hole, nothing is read, q = 0 and scales 1."""
+    import struct
+
+    from clover_export.checkpoint import TensorPlan, read_header
+
+    shape, n = (4, 1024, 1024), 4 * 1024 * 1024 * 2
+    header = json.dumps({"w": {"dtype": "BF16", "shape": list(shape), "data_offsets": [0, n]}}).encode()
+    header += b" " * ((-len(header)) % 8)
+    path = tmp_path / "sparse.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + n)
+    loc = read_header(path)["w"]
+    per_expert = n // shape[0]
+    if not fp8_weights._is_hole(path, loc.offset + per_expert, per_expert):
+        pytest.skip("this filesystem reports no holes (SEEK_DATA)")
+    assert not fp8_weights._is_hole(path, 0, 16)  # the header is data
+    reads, real = [], fp8_weights.np.memmap
+    monkeypatch.setattr(fp8_weights.np, "memmap", lambda *a, **k: reads.append(k["offset"]) or real(*a, **k))
+    w = fp8_weights.quantize_weights({"w": TensorPlan("w", shape, ((loc,),), True)}, ["w"], tmp_path / "fp8")
+    raw = (tmp_path / "fp8" / fp8_weights.FP8_BIN).read_bytes()
+    e = w.index["w"]
+    assert raw[e["fp8"][0]:e["fp8"][0] + e["fp8"][1]] == bytes(math.prod(shape))
+    off, length, s_shape = e["scale"]
+    assert s_shape == [4, 1024] and (np.frombuffer(raw[off:off + length], np.float32) == 1.0).all()
+    assert reads == [loc.offset]  # only expert 0, which shares its first page with the header, was read
