@@ -179,6 +179,12 @@ class _ReferenceSlice:
         state = {n: (reader.read(plans[n]) if n in plans else torch.zeros(p.shape)).float()
                  for n, p in self.model.named_parameters()}
         self.model.load_state_dict(state, strict=True, assign=True)
+        from dataclasses import replace
+
+        from clover_export.engines.stream_calib import routed_moe_core
+
+        # the dense reference core runs all 256 experts on every row; the routed one equals it (tested in fp64)
+        self.model.cores = replace(self.model.cores, moe=routed_moe_core)
         self.model.eval().requires_grad_(False)
         self.outputs = art.output_names
 
