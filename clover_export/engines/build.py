@@ -6,9 +6,21 @@ and redoes one whose inputs changed. Without TensorRT or a GPU the engine
 stage is skipped with the reason, and the build still succeeds (unless
 `require_engine`).
 
+At the real model's size (issue 11) nothing is loaded whole and no weight
+is converted into a new file: the graphs reference the checkpoint's bf16
+shards (the fp32 graph casts inside the graph), the FP8 weights are
+quantised once, tensor by tensor, into `fp8-weights/` and linked by both
+FP8 graphs, calibration streams the reference model layer by layer
+(`stream_calib.py`), and where whole-graph validation would not fit in
+memory, one-layer slices at full width are validated instead
+(`exporter/slice.py`). A disk plan (`disk_plan.py`) checks free space
+before anything is written. Ctrl-C keeps every finished stage; the same
+command continues from there.
+
 OUT/
   build.json       stages, their keys and results
   onnx-fp32/       fp32 step graph: ONNX Runtime on CPU, the validation and fallback path
+  fp8-weights/     fp8.bin (e4m3 weights + fp32 scales) and its index, linked by both FP8 graphs
   onnx-bf16/       bf16 step graph: what TensorRT parses for a bf16 engine
   onnx-fp8/        FP8 Q/DQ graph on fp32 activations: FP8 accuracy measured in ONNX Runtime
   onnx-fp8-bf16/   FP8 Q/DQ graph on the bf16 graph: what TensorRT parses for an FP8 engine
@@ -44,6 +56,7 @@ class BuildOptions:
     require_engine: bool = False
     allow_qwen: bool = False
     force: bool = False  # redo every stage; OUT must still be a build folder (clover_export.outdir)
+    validation: str = "auto"  # "whole" graph, one-layer "slice"s, or "auto": whole when it fits in memory
 
 
 @dataclass
@@ -52,6 +65,8 @@ class BuildResult:
     stages: dict[str, dict] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)  # human-readable reasons
     engine: Path | None = None
+    ran: list[str] = field(default_factory=list)  # stages run by this invocation
+    reused: list[str] = field(default_factory=list)  # stages reused from an earlier one
 
 
 def _key(*parts) -> str:
@@ -127,30 +142,39 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
     for line in plan.lines():
         log(line)
     require_fit(plan)  # before anything is written
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CloverError("build", f"--out {out}: cannot create the folder ({e.strerror or e})") from None
     stages = Stages(out)
     if opts.force:
         stages.data["stages"] = {}
     res = BuildResult(out)
     base = (str(model_dir.resolve()), checkpoint_key(model_dir), cfg.fingerprint(), opts.max_batch, max_context,
             opts.chunk, opts.weights, opts.allow_qwen)
+    keys = stage_keys(base, opts)
+    disk = plan_disk_for(out, cfg, model_dir, opts, keys, stages)
+    for line in disk.lines():
+        log(line)
+    require_space(disk)  # before anything is written
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CloverError("build", f"--out {out}: cannot create the folder ({e.strerror or e})") from None
 
     def export_stage(dtype: str) -> Path:
         from clover_export.exporter.export import export
 
-        folder, key = out / f"onnx-{dtype}", _key("export", dtype, *base)
-        if stages.done(f"export-{dtype}", key, folder):
+        name, folder, key = f"export-{dtype}", out / f"onnx-{dtype}", keys[f"export-{dtype}"]
+        if stages.done(name, key, folder):
             log(f"[export {dtype}] reused {folder.name} (inputs unchanged)")
+            res.reused.append(name)
         else:
             t = time.perf_counter()
             r = export(model_dir, folder, dtype=dtype, weights=opts.weights, chunk=opts.chunk, max_batch=opts.max_batch,
                        max_len=max_context, allow_qwen=opts.allow_qwen, force=True)
             msg = f"weights {r.weights.mode}" + (f" ({'; '.join(r.weights.messages)})" if r.weights.messages else "")
-            log(f"[export {dtype}] {folder.name} in {time.perf_counter() - t:.1f} s, {msg}")
-            stages.record(f"export-{dtype}", key, {"weights": r.weights.mode, "seconds": round(r.seconds, 2)})
+            log(f"[export {dtype}] {folder.name} in {time.perf_counter() - t:.1f} s, {msg}, "
+                f"{r.weights.weight_bytes_written} weight bytes written, readiness checks (`check`) passed")
+            stages.record(name, key, {"weights": r.weights.mode, "seconds": round(r.seconds, 2),
+                                      "bytes_written": r.bytes_written})
+            res.ran.append(name)
         return folder
 
     def validate_stage(folder: Path, key_parts) -> None:
@@ -159,6 +183,7 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         name, key = f"validate-{folder.name}", _key("validate", *key_parts)
         if stages.done(name, key, None):
             log(f"[validate {folder.name}] reused: passed before")
+            res.reused.append(name)
             return
         t = time.perf_counter()
         rep = validate(folder, cuda=True)
@@ -166,57 +191,174 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
             raise CloverError("build", f"{folder.name} does not match the reference model:\n{rep.format()}")
         log(f"[validate {folder.name}] passed on {', '.join(rep.runners)} in {time.perf_counter() - t:.1f} s")
         stages.record(name, key, {"runners": rep.runners, "passed": True})
+        res.ran.append(name)
 
+    whole, why = validation_mode(cfg, opts)
+    log(f"[validate] {'whole graphs' if whole else 'one-layer slices at full width'}: {why}")
     fp32 = export_stage("fp32")
-    validate_stage(fp32, ("fp32", *base))
+    if whole:
+        validate_stage(fp32, ("fp32", *base))
+    else:
+        slice_stage(model_dir, out, cfg, opts, base, stages, res, log)
     bf16 = export_stage("bf16")
-    validate_stage(bf16, ("bf16", *base))
+    if whole:
+        validate_stage(bf16, ("bf16", *base))
+    else:
+        log("[validate onnx-bf16] structural checks (`check`) passed at export; not run whole: "
+            "ONNX Runtime's CPU EP has no bf16 kernels and onnx.reference cannot run it at this size "
+            "(the slices above ran the same traced code in fp32)")
     engine_graph = bf16
     if opts.precision == "fp8":
-        engine_graph = fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log)
+        engine_graph = fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole, res)
 
     engine_stage(out, engine_graph, cfg, opts, max_context, base, stages, res, log)
+    log(f"[build] ran: {', '.join(res.ran) or 'nothing'}; reused: {', '.join(res.reused) or 'nothing'}"
+        + (f"; needs a GPU / TensorRT: engine ({'; '.join(res.skipped)})" if res.skipped else ""))
     res.stages = stages.data["stages"]
     return res
 
 
-def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log) -> Path:
+def stage_keys(base: tuple, opts: BuildOptions) -> dict[str, str]:
+    """Stage name -> key of what it is made from (a stage reruns when its key changes)."""
+    from clover_export.engines.calibration import read_prompts
+
+    keys = {f"export-{d}": _key("export", d, *base) for d in ("fp32", "bf16")}
+    if opts.precision == "fp8":
+        keys["calibrate"] = _key("calibrate", read_prompts(opts.calib), *base)
+        keys["fp8-weights"] = _key("fp8-weights", *base)
+        for name in ("onnx-fp8", "onnx-fp8-bf16"):
+            keys[f"quantize-{name}"] = _key("quantize", name, keys["calibrate"], keys["fp8-weights"])
+    return keys
+
+
+def plan_disk_for(out: Path, cfg, model_dir: Path, opts: BuildOptions, keys: dict, stages: Stages):
+    from clover_export.engines.disk_plan import plan_disk
+    from clover_export.sizing import weight_bytes
+
+    folders = {"export-fp32": out / "onnx-fp32", "export-bf16": out / "onnx-bf16", "fp8-weights": out / "fp8-weights"}
+    todo = {name: not stages.done(name, keys[name], folders[name]) for name in folders if name in keys}
+    todo["quantize (2 graphs)"] = not all(stages.done(f"quantize-{n}", keys.get(f"quantize-{n}", ""), out / n)
+                                          for n in ("onnx-fp8", "onnx-fp8-bf16"))
+    engine = None if engine_blocker(opts.precision) else (0 if opts.strip_weights else weight_bytes(cfg, opts.precision))
+    return plan_disk(out, cfg, model_dir, opts.precision, opts.weights, todo, engine)
+
+
+def require_space(plan) -> None:
+    from clover_export.engines.disk_plan import require_space as require
+
+    require(plan)
+
+
+def validation_mode(cfg, opts: BuildOptions) -> tuple[bool, str]:
+    """(whole graphs?, why): whole-graph validation where it fits in half this machine's memory."""
+    from clover_export.exporter.slice import available_memory, whole_validation_bytes
+
+    if opts.validation not in ("auto", "whole", "slice"):
+        raise CloverError("build", f"unknown validation {opts.validation!r}", "expected auto, whole or slice")
+    need, have = whole_validation_bytes(cfg), available_memory()
+    figures = f"whole-graph validation needs ~{need / 2**30:.1f} GiB of RAM, {have / 2**30:.1f} GiB available"
+    if opts.validation != "auto":
+        return opts.validation == "whole", f"requested ({figures})"
+    if need <= have // 2:
+        return True, figures
+    return False, figures + "; validating one layer of each kind with the real weights instead"
+
+
+def slice_stage(model_dir, out, cfg, opts, base, stages, res, log) -> None:
+    from clover_export.exporter.slice import validate_slices
+
+    name, key = "validate-slices", _key("validate-slices", *base)
+    if stages.done(name, key, None):
+        log(f"[validate slices] reused: {'; '.join(stages.result(name)['lines'])}")
+        res.reused.append(name)
+        return
+    results = validate_slices(model_dir, out / ".slices", cfg.block_size, min(opts.chunk, 16), 2,
+                              log=lambda s: log(f"[validate slices] {s}"))
+    bad = [r for r in results if not r.passed]
+    if bad:
+        raise CloverError("build", "the exported graph does not match the reference model on a full-width slice:\n"
+                          + "\n".join(f"{r.line()}\n{r.report}" for r in bad))
+    stages.record(name, key, {"lines": [r.line() for r in results], "passed": True})
+    res.ran.append(name)
+
+
+def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole, res) -> Path:
     from clover_export.engines.calibration import HELDOUT_PROMPTS, agreement, calibration_steps, read_prompts
     from clover_export.engines.fp8 import calibrate, quantize_graph
+    from clover_export.engines.fp8_weights import load_fp8_weights, quantize_weights
 
     prompts = read_prompts(opts.calib)
-    calib_key = _key("calibrate", prompts, *base)
+    calib_key = keys["calibrate"]
     if stages.done("calibrate", calib_key, None):
         amax = stages.result("calibrate")["amax"]
         log(f"[calibrate] reused {len(amax)} activation ranges")
+        res.reused.append("calibrate")
     else:
         t = time.perf_counter()
+        from clover_export.engines.stream_calib import streamed_model
         from clover_export.exporter.artifact import load_artifact
 
         block_size = load_artifact(fp32).block_size
-        amax = calibrate(model_dir, calibration_steps(model_dir, prompts, block_size), block_size)
-        log(f"[calibrate] {len(prompts)} prompts, {len(amax)} activation ranges in {time.perf_counter() - t:.1f} s")
+        model = streamed_model(model_dir, block_size)  # one layer's weights resident at a time
+        try:
+            amax = calibrate(model_dir, calibration_steps(model_dir, prompts, block_size, model=model), block_size,
+                             model=model)
+        finally:
+            model.stream_progress.close()
+        log(f"[calibrate] {len(prompts)} prompts, {len(amax)} activation ranges in {time.perf_counter() - t:.1f} s "
+            f"(layer by layer on {next(iter(model.lm_head.parameters())).device})")
         stages.record("calibrate", calib_key, {"amax": amax, "prompts": len(prompts)})
+        res.ran.append("calibrate")
+    wfolder, wkey = out / "fp8-weights", keys["fp8-weights"]
+    if stages.done("fp8-weights", wkey, wfolder):
+        weights = load_fp8_weights(wfolder)
+        log(f"[quantize] reused {wfolder.name} ({weights.bytes_written / 2**30:.2f} GiB)")
+        res.reused.append("fp8-weights")
+    else:
+        from tqdm import tqdm
+
+        from clover_export.engines.fp8 import source_plans
+        from clover_export.exporter.artifact import load_artifact
+        from clover_export.sizing import fp8_weight_names
+
+        t = time.perf_counter()
+        art = load_artifact(fp32)
+        weights = quantize_weights(source_plans(art), fp8_weight_names(art.config), wfolder,
+                                   progress=lambda it: tqdm(it, desc="quantise", unit="tensor", leave=False))
+        sec = time.perf_counter() - t
+        log(f"[quantize] {wfolder.name}: {len(weights.index)} tensors, {weights.bytes_written / 2**30:.2f} GiB "
+            f"written once in {sec:.1f} s ({weights.bytes_written / max(sec, 1e-9) / 2**20:.0f} MiB/s)")
+        stages.record("fp8-weights", wkey, {"tensors": len(weights.index), "bytes_written": weights.bytes_written,
+                                            "seconds": round(sec, 2)})
+        res.ran.append("fp8-weights")
     for src, name in ((fp32, "onnx-fp8"), (bf16, "onnx-fp8-bf16")):
-        key = _key("quantize", name, calib_key)
+        key = keys[f"quantize-{name}"]
         if stages.done(f"quantize-{name}", key, out / name):
             log(f"[quantize] reused {name}")
+            res.reused.append(f"quantize-{name}")
             continue
-        rep = quantize_graph(src, out / name, amax, force=True)  # the build's own folder
+        rep = quantize_graph(src, out / name, amax, force=True, weights=weights)  # the build's own folder
         log(f"[quantize] {name}: {rep.gemms} GEMMs with Q/DQ, {rep.expert_tensors} expert tensors e4m3, "
-            f"{rep.bytes_written / 2**20:.1f} MiB written")
+            f"linked to {wfolder.name}/ ({rep.bytes_written} weight bytes written)")
         stages.record(f"quantize-{name}", key, {"gemms": rep.gemms, "experts": rep.expert_tensors})
+        res.ran.append(f"quantize-{name}")
     key = _key("agreement", calib_key)
     if stages.done("validate-onnx-fp8", key, None):
-        res = stages.result("validate-onnx-fp8")
-        log(f"[validate onnx-fp8] reused: {res['line']}")
+        agr = stages.result("validate-onnx-fp8")
+        log(f"[validate onnx-fp8] reused: {agr['line']}")
+        res.reused.append("validate-onnx-fp8")
+    elif not whole:
+        agr = None
+        log("[validate onnx-fp8] skipped: top-1 agreement plays the whole fp32 and FP8 graphs in ONNX Runtime, "
+            "and this build validates slices, not whole graphs (see [validate] above)")
     else:
         a = agreement(fp32, out / "onnx-fp8", model_dir, HELDOUT_PROMPTS)
         log(f"[validate onnx-fp8] {a.line()}")
-        res = {"line": a.line(), "top1_agreement": a.top1_agreement, "max_abs_logit_error": a.max_abs_logit_error}
-        stages.record("validate-onnx-fp8", key, res)
-    if res["top1_agreement"] < FP8_MIN_AGREEMENT:  # the engine stage never sees a graph below the gate
-        raise CloverError("build", f"onnx-fp8 is below the FP8 gate: {res['line']} (gate: top-1 agreement "
+        agr = {"line": a.line(), "top1_agreement": a.top1_agreement, "max_abs_logit_error": a.max_abs_logit_error}
+        stages.record("validate-onnx-fp8", key, agr)
+        res.ran.append("validate-onnx-fp8")
+    if agr is not None and agr["top1_agreement"] < FP8_MIN_AGREEMENT:  # the engine stage never sees it
+        raise CloverError("build", f"onnx-fp8 is below the FP8 gate: {agr['line']} (gate: top-1 agreement "
                           f">= {100 * FP8_MIN_AGREEMENT:.0f}%); no engine was built",
                           "calibrate on prompts like your traffic (--calib FILE), or build --precision bf16")
     from clover_export.engines.fp8_twins import require_twins

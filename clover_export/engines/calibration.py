@@ -90,8 +90,9 @@ def prompt_batch(model_dir: Path, prompts: list[str], block_size: int) -> Prompt
     return PromptBatch(ids, cfg.require_mask_token(), block_size)
 
 
-def calibration_steps(model_dir: Path, prompts: list[str], block_size: int) -> list[dict[str, np.ndarray]]:
-    """Prefill + one half-filled denoise step; the fill comes from the reference model's own argmax."""
+def calibration_steps(model_dir: Path, prompts: list[str], block_size: int, model=None) -> list[dict[str, np.ndarray]]:
+    """Prefill + one half-filled denoise step; the fill comes from the reference model's own argmax.
+    `model`: the reference model to use (default: loaded whole; `stream_calib.streamed_model` at full size)."""
     import torch
 
     from clover_export.config import load_config
@@ -100,7 +101,8 @@ def calibration_steps(model_dir: Path, prompts: list[str], block_size: int) -> l
 
     batch = prompt_batch(model_dir, prompts, block_size)
     first = batch.prefill_step()
-    model = load_model(model_dir, torch.float32, block_size=block_size)
+    if model is None:
+        model = load_model(model_dir, torch.float32, block_size=block_size)
     pools = allocate_pools(load_config(model_dir), len(prompts), first[names.INPUT_IDS].shape[1] + block_size)
     with torch.no_grad():
         logits, _, _ = model.step({k: torch.from_numpy(v) for k, v in first.items()}, pools)

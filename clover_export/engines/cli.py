@@ -67,8 +67,11 @@ def plans_lines(plans: dict) -> list[str]:
               help="Exit non-zero, before any work, when no TensorRT engine can be built here.")
 @click.option("--allow-qwen", is_flag=True, help="Allow a plain Qwen3.5-MoE checkpoint (Clover tensors zero-filled).")
 @click.option("--force", is_flag=True, help="Redo every stage of an earlier build in OUT instead of reusing it.")
+@click.option("--validation", type=click.Choice(["auto", "whole", "slice"]), default="auto", show_default=True,
+              help="whole: every graph against the reference model in ONNX Runtime (~5x the bf16 weights in RAM); "
+                   "slice: one layer of each kind at full width; auto: whole when it fits in half the memory.")
 def build(model, out, precision, max_batch, max_context, chunk, weights, calib, gpu_memory, strip_weights,
-          require_engine, allow_qwen, force):
+          require_engine, allow_qwen, force, validation):
     """Turn MODEL into validated ONNX graphs and a TensorRT engine.
 
     Stages: memory plan -> export (fp32 and bf16 step graphs) -> ONNX Runtime
@@ -77,13 +80,26 @@ def build(model, out, precision, max_batch, max_context, chunk, weights, calib, 
     with the figures; compare the TensorRT-bound twin with it) -> TensorRT
     engine. Where TensorRT or a GPU is missing the engine stage is skipped
     with the reason and the command still succeeds (unless --require-engine).
+
+    At the real model's size: a disk plan refuses up front when OUT's
+    filesystem is too small; no weight is converted into a new file (the
+    fp32 graph casts the bf16 shards in the graph); FP8 weights are written
+    once and shared by both FP8 graphs; calibration streams the model layer
+    by layer; where the whole graph does not fit in memory, one layer of
+    each kind is validated at full width instead. Ctrl-C keeps finished
+    stages; re-running continues.
     """
     from clover_export.engines.build import BuildOptions, build as run_build
 
     opts = BuildOptions(precision=precision, max_batch=max_batch, max_context=max_context, chunk=chunk,
                         weights=weights, calib=calib, gpu_memory_gib=gpu_memory, strip_weights=strip_weights,
-                        require_engine=require_engine, allow_qwen=allow_qwen, force=force)
-    res = run_build(model, out, opts, log=click.echo)
+                        require_engine=require_engine, allow_qwen=allow_qwen, force=force, validation=validation)
+    try:
+        res = run_build(model, out, opts, log=click.echo)
+    except KeyboardInterrupt:  # every stage writes atomically: the finished ones stay reusable
+        click.echo(f"build interrupted: finished stages are kept in {out} (build.json); run the same command "
+                   "again to continue", err=True)
+        raise SystemExit(130) from None
     done = "engine " + str(res.engine) if res.engine else "no engine (" + "; ".join(res.skipped) + ")"
     click.echo(f"build finished: {res.out} ({done})")
 

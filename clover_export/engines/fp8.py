@@ -11,9 +11,11 @@ From an exported fp32 (or bf16) artefact this writes a new artefact folder:
   `clover::CoresetMoEFP8` (contract `plugins/contracts.py`, BF16
   activations; its function body dequantises, then computes CoresetMoE, so
   ONNX Runtime runs it anywhere). Functions no node calls any more are dropped.
-Weights are quantised one tensor at a time, read through the artefact's
-weight map (memory-mapped), and appended to `weights/fp8.bin`; nothing else
-is copied (the remaining tensors keep pointing at the source's files).
+Weights are quantised once per build, streamed tensor by tensor from the
+checkpoint (`fp8_weights.py`), into one `fp8.bin` that every FP8 graph of
+the build links as `weights/fp8.bin`; nothing else is copied (the remaining
+tensors keep pointing at the source's files). The Cast / Concat chains that
+fed the replaced weights are dropped with them.
 """
 
 from __future__ import annotations
@@ -29,14 +31,12 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from clover_export.engines.quantize import activation_scale, quantize_weight
+from clover_export.engines.fp8_weights import FP8_BIN
+from clover_export.engines.quantize import activation_scale
 from clover_export.errors import CloverError
 from clover_export.plugins.contracts import CORESET_MOE, CORESET_MOE_FP8, NAMESPACE, manifest_entry
 from clover_export.plugins.onnx_ops import function_proto
 from clover_export.sizing import fp8_weight_names
-
-FP8_BIN = "fp8.bin"
-ALIGN = 4096
 
 
 @dataclass
@@ -55,9 +55,11 @@ class Fp8Report:
 
 # --- calibration -------------------------------------------------------------
 def calibrate(model_dir: Path, steps: list[dict[str, np.ndarray]], block_size: int,
-              include_lm_head: bool = False) -> dict[str, float]:
+              include_lm_head: bool = False, model=None) -> dict[str, float]:
     """amax of the input of every FP8 GEMM (by weight name), over the reference model run on `steps`.
 
+    `model`: the reference model (default: loaded whole; at full size `stream_calib.streamed_model`,
+    one layer's weights resident at a time).
     `steps` are step-graph feeds (names from `names.py`) played in order with the
     pools carried between them, exactly as the runtime plays them.
     """
@@ -66,7 +68,8 @@ def calibrate(model_dir: Path, steps: list[dict[str, np.ndarray]], block_size: i
     from clover_export.models import load_model
 
     cfg = load_config(model_dir)
-    model = load_model(model_dir, torch.float32, block_size=block_size)
+    if model is None:
+        model = load_model(model_dir, torch.float32, block_size=block_size)
     wanted = {n for n in fp8_weight_names(cfg, include_lm_head) if ".experts." not in n}  # experts: bf16 activations
     amax: dict[str, float] = {}
     hooks = []
@@ -97,83 +100,80 @@ def step_pool_len(steps: list[dict], block_size: int) -> int:
 
 
 # --- graph rewrite -----------------------------------------------------------
-def _fp8_initializer(name: str, shape, location: str, offset: int, length: int) -> TensorProto:
-    t = TensorProto(name=name, data_type=TensorProto.FLOAT8E4M3FN, dims=list(shape))
+def _external(name: str, data_type: int, shape, location: str, offset: int, length: int) -> TensorProto:
+    t = TensorProto(name=name, data_type=data_type, dims=list(shape))
     t.data_location = TensorProto.EXTERNAL
     for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
         t.external_data.add(key=k, value=v)
     return t
 
 
-class _Fp8Writer:
-    """Appends quantised tensors to weights/fp8.bin, page-aligned, and returns their initializers."""
-
-    def __init__(self, folder: Path):
-        (folder / "weights").mkdir(parents=True, exist_ok=True)
-        self.rel = f"weights/{FP8_BIN}"
-        self.f = open(folder / self.rel, "wb")
-        self.offset = 0
-
-    def add(self, name: str, w: torch.Tensor) -> tuple[TensorProto, TensorProto]:
-        q, scales = quantize_weight(w)
-        pad = (-self.offset) % ALIGN
-        self.f.write(b"\0" * pad)
-        self.offset += pad
-        raw = q.view(torch.uint8).numpy().tobytes()
-        self.f.write(raw)
-        init = _fp8_initializer(f"{name}.fp8", q.shape, self.rel, self.offset, len(raw))
-        self.offset += len(raw)
-        return init, numpy_helper.from_array(scales.numpy().astype(np.float32), f"{name}.scale")
-
-    def close(self) -> None:
-        self.f.close()
+def _fp8_pair(name: str, entry: dict, rel: str) -> tuple[TensorProto, TensorProto]:
+    """The e4m3 weight and its fp32 scales, both read from the shared fp8.bin (`fp8_weights`)."""
+    off, n = entry["fp8"]
+    s_off, s_len, s_shape = entry["scale"]
+    return (_external(f"{name}.fp8", TensorProto.FLOAT8E4M3FN, entry["shape"], rel, off, n),
+            _external(f"{name}.scale", TensorProto.FLOAT, s_shape, rel, s_off, s_len))
 
 
-def _read_weight(art_dir: Path, entry: dict) -> torch.Tensor:
-    """One tensor of the weight map, memory-mapped, as fp32."""
-    from clover_export.exporter.weights import storage_dtype
+def source_plans(art) -> dict:
+    """The checkpoint tensor plans of an exported artefact (its manifest names the model folder)."""
+    from clover_export.checkpoint import locate_tensors, plan_tensors
 
-    path = Path(entry["file"]) if Path(entry["file"]).is_absolute() else art_dir / entry["file"]
-    arr = np.memmap(path, dtype=storage_dtype(entry["dtype"]), mode="r", offset=entry["offset"], shape=tuple(entry["shape"]))
-    t = torch.from_numpy(np.array(arr))
-    return t.view(torch.bfloat16).float() if entry["dtype"] == "BF16" else t.float()
+    return plan_tensors(art.config, locate_tensors(Path(art.manifest["model_dir"])), allow_qwen=True)
 
 
 def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False,
-                   force: bool = False) -> Fp8Report:
+                   force: bool = False, weights=None) -> Fp8Report:
     """Write the FP8 artefact of the exported folder `src_dir` into `out_dir` (atomically; `out_dir` new,
-    empty, or with `force` an earlier FP8 graph: `clover_export.outdir`)."""
+    empty, or with `force` an earlier FP8 graph: `clover_export.outdir`).
+
+    `weights`: the build's shared `fp8_weights.Fp8Weights`, linked into the new folder; without it
+    the weights are quantised here (for this one graph)."""
+    from clover_export.engines.fp8_weights import load_fp8_weights, quantize_weights
     from clover_export.outdir import claim_dir, commit_dir
     from clover_export.exporter.artifact import load_artifact, read_weight_map
+    from clover_export.exporter.weights import copy_file, link_file
 
     art = load_artifact(src_dir)
     wmap = read_weight_map(art)
     proto = onnx.load(str(art.graph_path), load_external_data=False)
     g = proto.graph
-    inits = {i.name: i for i in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
-    targets = set(fp8_weight_names(art.config, include_lm_head))
+    targets = fp8_weight_names(art.config, include_lm_head)
     report = Fp8Report(include_lm_head=include_lm_head)
 
     out_dir = claim_dir(out_dir, "fp8", command="quantize", force=force, model_dirs=[art.dir])
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    writer = _Fp8Writer(tmp)
     try:
+        (tmp / "weights").mkdir()
+        rel = f"weights/{FP8_BIN}"
+        if weights is None:
+            own = quantize_weights(source_plans(art), targets, tmp / ".fp8")
+            (own.dir / FP8_BIN).rename(tmp / rel)
+            report.bytes_written = own.bytes_written
+            index = own.index
+            shutil.rmtree(own.dir)
+        else:
+            weights = load_fp8_weights(Path(weights)) if isinstance(weights, (str, Path)) else weights
+            index = weights.index
+            try:
+                link_file(weights.bin.resolve(), tmp / rel)
+            except OSError:  # another filesystem: one copy for this folder
+                report.bytes_written = copy_file(weights.bin, tmp / rel)
         new_nodes: list[onnx.NodeProto] = []
         weight_nodes: list[onnx.NodeProto] = []  # weight DQ (+ Cast): first, their Transpose comes before the MatMul
         qdq_of: dict[str, str] = {}  # activation -> its DQ output
         zero = helper.make_tensor("fp8_zero_point", TensorProto.FLOAT8E4M3FN, [], [0])
         g.initializer.append(zero)
-        drop: set[str] = set()
         for node in g.node:
             if node.op_type == "MatMul" and node.input[1] in producer and producer[node.input[1]].op_type == "Transpose":
                 tr = producer[node.input[1]]
                 wname = tr.input[0]
-                if wname in targets and wname in inits:
-                    w8, s = writer.add(wname, _read_weight(art.dir, wmap[wname]))
+                if wname in index:
+                    w8, s = _fp8_pair(wname, index[wname], rel)
                     g.initializer.extend([w8, s])
-                    drop.add(wname)
                     weight_nodes.append(helper.make_node("DequantizeLinear", [w8.name, s.name], [f"{wname}.dq"],
                                                          axis=0, name=f"{wname}.DequantizeLinear"))
                     if art.dtype != "fp32":
@@ -186,23 +186,21 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
                     node.input[0] = qdq_of[x]
                     report.gemms += 1
             if node.op_type == CORESET_MOE.name and node.domain == NAMESPACE:
-                fused = node.input[2:4]
-                if not all(n in inits for n in fused):
-                    raise CloverError("fp8", f"{node.name}: expert weights are not plain initializers",
-                                      "export the fp32/bf16 graph from a fused-expert checkpoint first")
                 args = []
-                for wname in fused:
-                    w8, s = writer.add(wname, _read_weight(art.dir, wmap[wname]))
+                for wname in node.input[2:4]:
+                    if wname not in index:
+                        raise CloverError("fp8", f"{node.name}: no FP8 weights for {wname}", "an exporter bug")
+                    w8, s = _fp8_pair(wname, index[wname], rel)
                     g.initializer.extend([w8, s])
-                    drop.add(wname)
                     args += [w8.name, s.name]
                     report.expert_tensors += 1
                 node.op_type = CORESET_MOE_FP8.name  # same attributes; inputs in the FP8 contract's order
                 del node.input[2:]
                 node.input.extend(args)
             new_nodes.append(node)
-        _replace_nodes(g, weight_nodes + new_nodes)
-        kept = [i for i in g.initializer if i.name not in drop]
+        _replace_nodes(g, _live(weight_nodes + new_nodes, [o.name for o in g.output]))
+        used_names = {i for n in g.node for i in n.input}
+        kept = [i for i in g.initializer if i.name in used_names]
         del g.initializer[:]
         g.initializer.extend(kept)
         linked = _link_source_files(g, art.dir, tmp)
@@ -212,32 +210,50 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
             if (art.dir / fname).is_file():
                 shutil.copyfile(art.dir / fname, tmp / fname)
         used = _attach_functions(proto, function_proto(CORESET_MOE_FP8))
-        writer.close()
-        report.bytes_written = writer.offset
         onnx.save(proto, str(tmp / "model.onnx"))
         manifest = dict(art.manifest)
         manifest["quantization"] = {**report.to_dict(), "source": str(art.dir.resolve())}
         manifest["ops"] = manifest_entry(used)
-        manifest["weights"] = {**manifest["weights"], "fp8_file": f"weights/{FP8_BIN}", "source_files": linked}
+        manifest["weights"] = {**manifest["weights"], "fp8_file": rel, "source_files": linked}
         manifest.pop("tensorrt", None)
         if art.dtype != "fp32" and art.weights_mode != "map":  # engine-bound: the graph TensorRT parses
             from clover_export.exporter.trt_graph import write_trt_graph
 
             manifest["tensorrt"] = write_trt_graph(tmp, proto, art.config.num_experts)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        fp8_map = {k: v for k, v in wmap.items() if k not in drop}
+        fp8_map = {k: v for k, v in wmap.items() if k in used_names}
         for t in g.initializer:
-            if t.data_type == TensorProto.FLOAT8E4M3FN and t.data_location == TensorProto.EXTERNAL:
+            if t.data_location == TensorProto.EXTERNAL and t.name not in fp8_map:
                 ext = {e.key: e.value for e in t.external_data}
                 fp8_map[t.name] = {"file": ext["location"], "offset": int(ext["offset"]), "length": int(ext["length"]),
-                                   "dtype": "F8_E4M3", "shape": list(t.dims)}
+                                   "dtype": "F8_E4M3" if t.data_type == TensorProto.FLOAT8E4M3FN else "F32",
+                                   "shape": list(t.dims)}
         (tmp / "weights.json").write_text(json.dumps({"mode": art.weights_mode, "tensors": fp8_map}, indent=2))
         commit_dir(tmp, out_dir, "fp8", command="quantize", force=force, model_dirs=[art.dir])
     except BaseException:
-        writer.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProto]:
+    """Nodes some graph output depends on (the Cast / Concat chains of replaced weights go), in order."""
+    needed, keep = set(outputs), []
+    for n in reversed(nodes):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(_inputs(n))
+    return keep[::-1]
+
+
+def _inputs(node: onnx.NodeProto) -> set[str]:
+    """A node's inputs, including the outer-scope names its subgraphs (If / Loop bodies) read."""
+    out = {i for i in node.input if i}
+    for a in node.attribute:
+        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for n in sub.node:
+                out |= _inputs(n)
+    return out
 
 
 def _activation_qdq(nodes, g, x: str, amax: float, report: Fp8Report, dtype: str) -> str:

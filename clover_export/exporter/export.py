@@ -97,16 +97,20 @@ def export(
     allow_qwen: bool = False,
     log: Callable[[str], None] = lambda s: None,
     force: bool = False,
+    config: CloverConfig | None = None,
+    tensor_plans: dict | None = None,
 ) -> ExportResult:
     """Export MODEL's step graph into OUT (see the module docstring); returns what was done.
 
-    OUT follows `clover_export.outdir`: a new or empty folder, or (with `force`) an earlier export."""
+    OUT follows `clover_export.outdir`: a new or empty folder, or (with `force`) an earlier export.
+    `config` + `tensor_plans` replace the folder's config and checkpoint plan (a slice of the model:
+    `exporter/slice.py`); the manifest still names MODEL's folder."""
     t0 = time.perf_counter()
     if weights not in A.WEIGHT_MODES:
         raise CloverError("export", f"unknown weights mode {weights!r}", f"expected one of {', '.join(A.WEIGHT_MODES)}")
     torch_dtype = parse_dtype(dtype)
     model_dir = resolve_model_dir(model)
-    cfg = load_config(model_dir)
+    cfg = load_config(model_dir) if config is None else config
     N = cfg.block_size if block_size is None else block_size
     slots = max_batch if slots is None else slots
     max_len = cfg.max_context if max_len is None else max_len
@@ -118,7 +122,8 @@ def export(
     out = Path(out).absolute()
     _refuse_overlap(model_dir, out)
     claim_dir(out, "export", command="export", force=force, model_dirs=[model_dir])
-    plans = plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=allow_qwen)  # every problem, before any work
+    plans = tensor_plans if tensor_plans is not None else \
+        plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=allow_qwen)  # every problem, before any work
     log(f"model: {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers), graph dtype {dtype}, block {N}")
     t = time.perf_counter()
     traced = trace_step(cfg, torch_dtype, N)
@@ -143,7 +148,7 @@ def export(
             writer.close()
         proto = traced.model
         proto.graph.initializer.extend(writer.initializers)
-        nodes = list(writer.nodes) + list(proto.graph.node)
+        nodes = weight_nodes_before_use(list(writer.nodes), list(proto.graph.node))
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
         onnx.save_model(proto, str(tmp / A.GRAPH))
@@ -175,6 +180,41 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out, writer.report, time.perf_counter() - t0, written, len(report.failures))
+
+
+def weight_nodes_before_use(weight_nodes: list, nodes: list) -> list:
+    """The weight nodes (casts of stored dtypes, per-expert Concat + Reshape) each placed right before the
+    first node that reads them: ONNX Runtime follows the order, so a cast weight lives only while used
+    (at full size an fp32 embedding or expert tensor is GBs; issue 11)."""
+    producer = {o: n for n in weight_nodes for o in n.output}
+    done: set[int] = set()
+    out: list = []
+
+    def emit(name: str) -> None:
+        n = producer.get(name)
+        if n is None or id(n) in done:
+            return
+        done.add(id(n))
+        for i in n.input:
+            emit(i)
+        out.append(n)
+
+    for node in nodes:
+        for i in _reads(node):
+            emit(i)
+        out.append(node)
+    out += [n for n in weight_nodes if id(n) not in done]
+    return out
+
+
+def _reads(node) -> list[str]:
+    """A node's inputs and the outer-scope names its subgraphs read."""
+    names_ = [i for i in node.input if i]
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for n in g.node:
+                names_ += _reads(n)
+    return names_
 
 
 def _chmod_like_umask(path: Path) -> None:

@@ -8,9 +8,13 @@ external data is (location, offset, length) inside a safetensors shard:
   `artifact.ort_session` feeds their memory-mapped bytes to ONNX Runtime.
 - `copy`: the shards are copied into `weights/` (a self-contained folder).
 Tensors whose stored dtype differs from the graph's (fp32 graphs of a bf16
-checkpoint, F32-stored norms in a bf16 graph) are converted one at a time
-into `weights/converted.bin`. Per-expert checkpoints keep their per-expert
-initializers; the fused tensor is a Concat + Reshape of them.
+checkpoint, F32-stored norms in a bf16 graph) are referenced as stored and
+cast inside the graph (`<name>__<stored dtype>` -> Cast -> `<name>`): no
+weight is ever converted into a new file, so an fp32 graph of the 35B model
+costs no disk (issue 11). Per-expert checkpoints keep their per-expert
+initializers; the fused tensor is a Concat + Reshape of them (then one Cast).
+Only zero-filled tensors (plain Qwen checkpoints opted in) are written, into
+`weights/converted.bin`.
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ def onnx_elem_type(st_dtype: str) -> int:
     return _ONNX[st_dtype]
 
 
+def stored_name(name: str, st_dtype: str) -> str:
+    """The initializer holding a tensor in its stored dtype, cast in the graph to `name` (module docstring)."""
+    return f"{name}__{st_dtype.lower()}"
+
+
 def storage_dtype(st_dtype: str):
     """numpy dtype with the stored item size (bf16 as uint16: numpy has no bfloat16)."""
     return _STORAGE[st_dtype]
@@ -59,6 +68,7 @@ class WeightReport:
     bytes_copied: int = 0
     bytes_converted: int = 0
     converted: list[str] = field(default_factory=list)
+    cast_in_graph: int = 0  # tensors referenced in their stored dtype and cast by a graph node
 
     @property
     def weight_bytes_written(self) -> int:
@@ -70,6 +80,7 @@ class WeightReport:
             "shards": self.link_kind, "bytes_referenced": self.bytes_referenced,
             "bytes_copied": self.bytes_copied, "bytes_converted": self.bytes_converted,
             "weight_bytes_written": self.weight_bytes_written, "converted": self.converted,
+            "cast_in_graph": self.cast_in_graph,
         }
 
 
@@ -173,31 +184,43 @@ class WeightWriter:
         if plan.fused:
             self._initializer(plan.name, plan.parts[0][0])
             return
+        stored = {loc.dtype for grp in plan.parts for loc in grp}
+        st = stored.pop() if len(stored) == 1 else self.dtype
         pieces = []
         for grp in plan.parts:
             for loc in grp:
                 name = names.canonical_name(loc.stored_name)
-                self._initializer(name, loc)
+                self._initializer(name, loc, keep_dtype=st)
                 pieces.append(name)
         cat = f"{plan.name}__concat"
         shape = f"{plan.name}__shape"
+        fused = plan.name if st == self.dtype else stored_name(plan.name, st)
         self.initializers.append(helper.make_tensor(shape, TensorProto.INT64, [len(plan.shape)], list(plan.shape)))
         self.nodes.append(helper.make_node("Concat", pieces, [cat], axis=0, name=f"{plan.name}/fuse_experts"))
-        self.nodes.append(helper.make_node("Reshape", [cat, shape], [plan.name], name=f"{plan.name}/fuse_experts_shape"))
+        self.nodes.append(helper.make_node("Reshape", [cat, shape], [fused], name=f"{plan.name}/fuse_experts_shape"))
+        if fused != plan.name:
+            self._cast(fused, plan.name)
 
     def add_zeros(self, name: str, shape: tuple[int, ...]) -> None:
         """A zero tensor (plain Qwen checkpoint opted in: the Clover block-mixer tensors)."""
         self._converted_entry(name, torch.zeros(shape, dtype=self.graph_dtype))
 
-    def _initializer(self, name: str, loc: TensorLocation) -> None:
-        if loc.dtype != self.dtype:
-            self._converted_entry(name, self._reader._get(loc).to(self.graph_dtype))
-            return
+    def _initializer(self, name: str, loc: TensorLocation, keep_dtype: str | None = None) -> None:
+        """An initializer referencing the stored bytes; cast in the graph where the stored dtype differs
+        (unless `keep_dtype`: per-expert pieces are cast once, after their Concat)."""
+        init = name
+        if loc.dtype != self.dtype and keep_dtype != loc.dtype:
+            init = stored_name(name, loc.dtype)
+            self._cast(init, name)
         location = self._place(loc.file)
         self.report.bytes_referenced += loc.length
-        self._external(name, loc.shape, location, loc.offset, loc.length)
-        self.weight_map[name] = {"file": location, "offset": loc.offset, "length": loc.length,
+        self._external(init, loc.shape, location, loc.offset, loc.length, loc.dtype)
+        self.weight_map[init] = {"file": location, "offset": loc.offset, "length": loc.length,
                                  "dtype": loc.dtype, "shape": list(loc.shape), "converted": False}
+
+    def _cast(self, src: str, dst: str) -> None:
+        self.report.cast_in_graph += 1
+        self.nodes.append(helper.make_node("Cast", [src], [dst], to=_ONNX[self.dtype], name=f"{dst}/cast"))
 
     def _converted_entry(self, name: str, t: torch.Tensor) -> None:
         if self._converted is None:
@@ -214,8 +237,8 @@ class WeightWriter:
         self.weight_map[name] = {"file": location, "offset": offset, "length": len(data),
                                  "dtype": self.dtype, "shape": list(t.shape), "converted": True}
 
-    def _external(self, name, shape, location, offset, length) -> None:
-        t = TensorProto(name=name, data_type=_ONNX[self.dtype], dims=list(shape), data_location=TensorProto.EXTERNAL)
+    def _external(self, name, shape, location, offset, length, st_dtype: str | None = None) -> None:
+        t = TensorProto(name=name, data_type=_ONNX[st_dtype or self.dtype], dims=list(shape), data_location=TensorProto.EXTERNAL)
         # map mode: locations inside the folder that do not exist; ort_session supplies the bytes
         loc = location if not os.path.isabs(location) else f"{WEIGHTS_DIR}/{Path(location).name}"
         for k, v in (("location", loc), ("offset", str(offset)), ("length", str(length))):

@@ -1,0 +1,163 @@
+"""Time `clover-export build` (bf16 and fp8) on a full-size sparse Clover-35B-A3B checkpoint (issue 11).
+
+The checkpoint is `export_fullsize.py`'s: the real config, real safetensors
+headers, experts stored per expert, zero (sparse) data. Each build runs as a
+subprocess under a small wrapper that reports its peak RSS. Printed per
+build: wall time, peak RSS, bytes written (each inode counted once, the
+checkpoint's hard-linked shards excluded) and the build log's stage lines;
+for fp8 also the FP8 weight bytes, and the disk write rate achieved vs a
+plain sequential write of the same number of bytes measured in the same run
+(written, fsynced, deleted before the fp8 build starts).
+
+Targets (issue 11, 2-core 24 GB machine): bf16 <= 3 min and <= 12 GB peak
+RSS, no weight bytes written; fp8 <= 12 GB peak RSS, bytes written <= 1.05 x
+the FP8 weight bytes, wall <= 1.5 x the plain write time + 2 min.
+
+    python bench/build_fullsize.py [--work DIR] [--only bf16|fp8] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from export_fullsize import full_config, write_sparse_checkpoint  # noqa: E402
+
+GiB = 2**30
+WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+           "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+           "print('PEAK_RSS', u.ru_maxrss * 1024, u.ru_utime + u.ru_stime, file=sys.stderr); sys.exit(rc)")
+
+
+def written_bytes(folder: Path, skip: set) -> int:
+    """Allocated bytes of the files under folder, each inode once, `skip` inodes excluded."""
+    seen, total = set(skip), 0
+    for p in folder.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def run_build(ckpt: Path, out: Path, precision: str) -> dict:
+    cmd = [sys.executable, "-c", WRAPPER, sys.executable, "-m", "clover_export.cli", "build", str(ckpt),
+           "--out", str(out), "--precision", precision, "--max-batch", "1", "--max-context", "4096"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    peak, cpu = next((int(w[1]), float(w[2])) for w in map(str.split, proc.stderr.splitlines())
+                     if w and w[0] == "PEAK_RSS")
+    log = [line for line in proc.stdout.splitlines() if line.startswith("[") or "plan" in line or "build" in line]
+    if proc.returncode:
+        print("\n".join(proc.stdout.splitlines()[-30:]), "\n", proc.stderr[-3000:])
+        raise SystemExit(f"{precision} build failed (exit {proc.returncode})")
+    return {"wall": wall, "peak": peak, "cpu": cpu, "log": log}
+
+
+def plain_write(path: Path, nbytes: int, chunk: int = 64 * 2**20) -> float:
+    """Seconds to write `nbytes` sequentially (fsync included); the file is deleted afterwards."""
+    buf = b"\1" * chunk
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(buf[:min(chunk, left)])
+        f.flush()
+        os.fsync(f.fileno())
+    sec = time.perf_counter() - t
+    path.unlink()
+    return sec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp folder in /tmp)")
+    ap.add_argument("--only", choices=["bf16", "fp8", "fp8-weights"], default=None,
+                    help="fp8-weights: only the FP8 weight stage (quantise + write) vs the plain write")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the build folders")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="clover-build-fullsize-"))
+    ckpt = work / "checkpoint"
+    app, alloc = write_sparse_checkpoint(ckpt)
+    print(f"checkpoint: {app / 1e9:.1f} GB apparent, {alloc / 2**20:.1f} MiB on disk (sparse, per-expert layout)")
+    shards = {(p.stat().st_dev, p.stat().st_ino) for p in ckpt.glob("*.safetensors")}
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (shared: timings are noisy; "
+          "CPU seconds are the child's user + system time)")
+    try:
+        if args.only in (None, "bf16"):
+            r = run_build(ckpt, work / "build-bf16", "bf16")
+            print("\n".join("  " + line for line in r["log"]))
+            print(f"bf16 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), peak RSS {r['peak'] / GiB:.2f} GiB, bytes written "
+                  f"{written_bytes(work / 'build-bf16', shards) / 2**20:.1f} MiB  (targets: <= 180 s, <= 12 GiB, "
+                  "no weight bytes)")
+            if not args.keep:
+                shutil.rmtree(work / "build-bf16")
+        if args.only in (None, "fp8"):
+            from clover_export.config import config_from_dict
+            from clover_export.engines.disk_plan import fp8_weight_file_bytes
+            from clover_export.sizing import weight_bytes
+
+            cfg = config_from_dict(full_config())
+            fp8_file = fp8_weight_file_bytes(cfg)
+            fp8_gemm = weight_bytes(cfg, "fp8")  # the issue's "FP8 weight bytes" (34.08 GiB)
+            plain = plain_write(work / "plain-write.bin", fp8_file)
+            print(f"plain sequential write of {fp8_file / GiB:.2f} GiB: {plain:.1f} s "
+                  f"({fp8_file / plain / 2**20:.0f} MiB/s)")
+            r = run_build(ckpt, work / "build-fp8", "fp8")
+            print("\n".join("  " + line for line in r["log"]))
+            written = written_bytes(work / "build-fp8", shards)
+            import json
+
+            stages = json.loads((work / "build-fp8" / "build.json").read_text())["stages"]
+            qsec = stages["fp8-weights"]["result"]["seconds"]
+            print(f"fp8 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), peak RSS {r['peak'] / GiB:.2f} GiB, bytes written "
+                  f"{written / GiB:.2f} GiB = {written / fp8_gemm:.3f} x the FP8 weight bytes ({fp8_gemm / GiB:.2f} GiB)")
+            print(f"  quantisation stage: {fp8_file / GiB:.2f} GiB in {qsec:.1f} s = {fp8_file / qsec / 2**20:.0f} MiB/s "
+                  f"vs plain write {fp8_file / plain / 2**20:.0f} MiB/s; wall {r['wall']:.0f} s vs target "
+                  f"1.5 x {plain:.0f} s + 120 s = {1.5 * plain + 120:.0f} s")
+        if args.only == "fp8-weights":
+            fp8_weights_only(ckpt, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def fp8_weights_only(ckpt: Path, work: Path) -> None:
+    """The FP8 weight stage of `build` alone (as a subprocess) next to a plain write of the same bytes."""
+    from clover_export.config import config_from_dict
+    from clover_export.engines.disk_plan import fp8_weight_file_bytes
+
+    nbytes = fp8_weight_file_bytes(config_from_dict(full_config()))
+    plain = plain_write(work / "plain-write.bin", nbytes)
+    print(f"plain sequential write of {nbytes / GiB:.2f} GiB: {plain:.1f} s ({nbytes / plain / 2**20:.0f} MiB/s)")
+    code = ("import sys, time, os; from pathlib import Path; from clover_export.config import load_config; "
+            "from clover_export.checkpoint import locate_tensors, plan_tensors; "
+            "from clover_export.sizing import fp8_weight_names; from clover_export.engines.fp8_weights import quantize_weights; "
+            "m = Path(sys.argv[1]); cfg = load_config(m); plans = plan_tensors(cfg, locate_tensors(m)); "
+            "w = quantize_weights(plans, fp8_weight_names(cfg), Path(sys.argv[2])); "
+            "f = os.open(w.bin, os.O_RDONLY); os.fsync(f); print('written', w.bytes_written)")
+    cmd = [sys.executable, "-c", WRAPPER, sys.executable, "-c", code, str(ckpt), str(work / "fp8-weights")]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-3000:])
+    peak, cpu = next((int(w[1]), float(w[2])) for w in map(str.split, proc.stderr.splitlines()) if w and w[0] == "PEAK_RSS")
+    written = written_bytes(work / "fp8-weights", set())
+    print(f"fp8-weights stage: wall {wall:.1f} s (CPU {cpu:.1f} s, fsync included), peak RSS {peak / GiB:.2f} GiB, "
+          f"{written / GiB:.2f} GiB written = {written / nbytes:.3f} x planned; {written / wall / 2**20:.0f} MiB/s "
+          f"vs plain {nbytes / plain / 2**20:.0f} MiB/s; wall / plain = {wall / plain:.2f}")
+    shutil.rmtree(work / "fp8-weights")
+
+
+if __name__ == "__main__":
+    main()

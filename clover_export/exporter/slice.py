@@ -1,0 +1,197 @@
+"""Validation that scales: one-layer slices of the model at full width (issue 11).
+
+Whole-graph validation runs the fp32 step graph in ONNX Runtime next to the
+fp32 reference model: ~5x the bf16 weights in RAM, ~330 GB for the 35B
+model. A slice is the model cut down to ONE decoder layer -- the first
+layer of a kind (GDN, attention) -- with the embedding, final norm and
+lm_head, every tensor the real one at full width. It is exported by the same
+code as the whole graph (`export(..., config=, tensor_plans=)`, weights
+referenced in place -- `map`: ONNX Runtime gets the shards' memory-mapped
+bytes -- and cast in the graph), then played in ONNX Runtime (CPU, graph
+optimisations and the memory arena off, so the in-graph casts are neither
+folded into resident fp32 copies nor pooled) and, after that session is gone, by the reference model built from
+the same checkpoint tensors; the validation scenario and tolerances are
+`validate.py`'s. One layer's weights are resident at a time.
+
+`whole_validation_bytes` is the estimate `build` compares with the machine's
+memory to pick whole-graph or slice validation.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from clover_export.checkpoint import TensorPlan, TensorReader, locate_tensors, plan_tensors
+from clover_export.config import CloverConfig, config_from_dict
+
+KINDS = ("linear_attention", "full_attention")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def whole_validation_bytes(cfg: CloverConfig) -> int:
+    """RAM of whole-graph validation: ONNX Runtime's fp32 graph (bf16 + fp32 weights) + the fp32 reference."""
+    from clover_export.sizing import weight_bytes
+
+    return 5 * weight_bytes(cfg, "bf16")
+
+
+def available_memory() -> int:
+    """MemAvailable of this machine (bytes); monkeypatched in tests."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def slice_layers(cfg: CloverConfig) -> list[int]:
+    """The first layer of each kind the model has."""
+    return [cfg.layer_types.index(k) for k in KINDS if k in cfg.layer_types]
+
+
+def slice_config(cfg: CloverConfig, layer: int) -> CloverConfig:
+    d = cfg.to_dict()
+    d.update(num_hidden_layers=1, layer_types=[cfg.layer_types[layer]])
+    return config_from_dict(d, source=f"{cfg.source} (slice: layer {layer})")
+
+
+def slice_plans(plans: dict[str, TensorPlan], layer: int) -> dict[str, TensorPlan]:
+    """The checkpoint plans of layer `layer` renamed to layer 0, plus every non-layer tensor."""
+    out = {}
+    for name, plan in plans.items():
+        m = _LAYER.match(name)
+        if m is None:
+            out[name] = plan
+        elif int(m.group(1)) == layer:
+            new = f"model.layers.0.{name[m.end():]}"
+            out[new] = TensorPlan(new, plan.shape, plan.parts, plan.fused)
+    return out
+
+
+def graph_plans(plans: dict[str, TensorPlan], layer: int) -> dict[str, TensorPlan]:
+    """The tensors the slice GRAPH is exported with (tests swap this to plant a wrong layer)."""
+    return slice_plans(plans, layer)
+
+
+@dataclass
+class SliceResult:
+    layer: int
+    kind: str
+    passed: bool
+    report: str
+    seconds: float
+
+    def line(self) -> str:
+        return (f"slice layer {self.layer} ({self.kind}) + embedding, norm, lm_head at full width: "
+                f"{'PASS' if self.passed else 'FAIL'} in {self.seconds:.1f} s")
+
+
+def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, max_batch: int,
+                    log=lambda s: None) -> list[SliceResult]:
+    """Export and validate one slice per layer kind under WORK (removed afterwards)."""
+    import time
+
+    from clover_export.config import load_config
+    from clover_export.exporter.export import export
+
+    cfg = load_config(model_dir)
+    plans = plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=True)
+    results = []
+    for layer in slice_layers(cfg):
+        t = time.perf_counter()
+        scfg = slice_config(cfg, layer)
+        folder = work / f"slice-layer{layer}"
+        try:
+            export(model_dir, folder, dtype="fp32", weights="map", block_size=block_size, chunk=chunk,
+                   max_batch=max_batch, max_len=max(64, 2 * block_size + 16), config=scfg,
+                   tensor_plans=graph_plans(plans, layer))
+            passed, text = _play_and_compare(folder, scfg, slice_plans(plans, layer))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        res = SliceResult(layer, cfg.layer_types[layer], passed, text, time.perf_counter() - t)
+        log(res.line())
+        results.append(res)
+    shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorPlan]) -> tuple[bool, str]:
+    """validate.py's scenario (draw 0) on ONNX Runtime, then on the reference slice; never both resident."""
+    import onnxruntime as ort
+
+    from clover_export.exporter import validate as V
+    from clover_export.exporter.artifact import load_artifact, ort_session
+
+    art = load_artifact(folder)
+    plans_ = V.scenario(art.block_size, art.chunk)
+    feeds = V.make_feeds(plans_, art.config, art.block_size, seed=0)
+    pools = V.initial_pools(art, V.NUM_SLOTS, V.pool_len(plans_, art.block_size), seed=1)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # no folded fp32 weight copies
+    so.enable_cpu_mem_arena = False  # the in-graph casts' fp32 buffers are freed after use, not pooled
+    runner = V.OrtRunner.__new__(V.OrtRunner)
+    runner.name, runner.outputs = "onnxruntime-cpu", art.output_names
+    runner.session = ort_session(art, ["CPUExecutionProvider"], session_options=so)
+    got = V.play(runner, feeds, pools)
+    del runner
+    _release_memory()
+    ref = _ReferenceSlice(scfg, plans, art)
+    expected = V.play(ref, feeds, pools)
+    del ref
+    _release_memory()
+    rep = V.ValidationReport(steps=[p.name for p in plans_], runners=["onnxruntime-cpu"])
+    rep.errors = V.compare("onnxruntime-cpu", got, expected, V.fp32_tolerance)
+    return rep.passed, rep.format()
+
+
+def _release_memory() -> None:
+    """Collect, then hand freed heap pages back to the OS (glibc may keep ONNX Runtime's freed buffers
+    resident otherwise, under the reference run's own ~7 GiB at full size)."""
+    import ctypes
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+class _ReferenceSlice:
+    """The fp32 reference model of the slice, its weights read from the checkpoint tensors."""
+
+    name = "reference-torch"
+
+    def __init__(self, scfg: CloverConfig, plans: dict[str, TensorPlan], art):
+        from clover_export.models import build_model
+
+        self.model = build_model(scfg, torch.float32, device="meta", block_size=art.block_size)
+        reader = TensorReader()
+        state = {n: (reader.read(plans[n]) if n in plans else torch.zeros(p.shape)).float()
+                 for n, p in self.model.named_parameters()}
+        self.model.load_state_dict(state, strict=True, assign=True)
+        from dataclasses import replace
+
+        from clover_export.engines.stream_calib import routed_moe_core
+
+        # the dense reference core runs all 256 experts on every row; the routed one equals it (tested in fp64)
+        self.model.cores = replace(self.model.cores, moe=routed_moe_core)
+        self.model.eval().requires_grad_(False)
+        self.outputs = art.output_names
+
+    @torch.no_grad()
+    def run(self, feeds):
+        from clover_export import names
+        from clover_export.exporter.validate import _to_numpy, _to_torch
+
+        args = [_to_torch(feeds[n]) for n in list(names.STEP_SCALARS) + names.pool_names(self.model.cfg)]
+        return {n: _to_numpy(t) for n, t in zip(self.outputs, self.model(*args))}
