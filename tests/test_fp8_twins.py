@@ -57,11 +57,21 @@ def act_scale_times_10(proto, _):
     t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 10, t.name))
 
 
-def weight_scale_nudged(proto, _):
+def weight_scale_nudged(proto, folder):
     t = next(t for t in proto.graph.initializer if t.name.endswith(".scale"))
-    a = numpy_helper.to_array(t).copy()
-    a.flat[0] = np.nextafter(a.flat[0], np.float32(1))  # one ulp: byte-equality, not a tolerance
-    t.CopyFrom(numpy_helper.from_array(a, t.name))
+    if t.data_location != TensorProto.EXTERNAL:
+        a = numpy_helper.to_array(t).copy()
+        a.flat[0] = np.nextafter(a.flat[0], np.float32(1))  # one ulp: byte-equality, not a tolerance
+        t.CopyFrom(numpy_helper.from_array(a, t.name))
+        return
+    ext = {e.key: e.value for e in t.external_data}  # in the shared FP8 weight file: patch the copy's bytes
+    path, off = folder / ext["location"], int(ext.get("offset", 0))
+    data = bytearray(path.read_bytes())
+    a = np.frombuffer(bytes(data[off:off + 4]), np.float32).copy()
+    a[0] = np.nextafter(a[0], np.float32(1))
+    data[off:off + 4] = a.tobytes()
+    path.unlink()  # a hard link of the twin's file: write a new one
+    path.write_bytes(bytes(data))
 
 
 def e4m3_byte_flipped(proto, folder):

@@ -22,7 +22,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from clover_export.engines.fp8_weights import FP8_BIN
 from clover_export.errors import CloverError
+from clover_export.exporter.weights import logical_name
 
 FULL_COMPARE_BYTES = 2 * 1024**3  # e4m3 weights up to this size are compared whole, larger ones at both ends
 END_BYTES = 1 << 20
@@ -139,6 +141,11 @@ def _short(node, field) -> str:
     return s if len(s) < 120 else s[:117] + "..."
 
 
+def _in_fp8_file(t: onnx.TensorProto) -> bool:
+    """Stored in the build's shared FP8 weight file (`engines/fp8_weights.py`)."""
+    return any(e.key == "location" and Path(e.value).name == FP8_BIN for e in t.external_data)
+
+
 def _external_bytes(t: onnx.TensorProto, folder: Path, budget: bool) -> bytes:
     ext = {e.key: e.value for e in t.external_data}
     off, n = int(ext.get("offset", 0)), int(ext["length"])
@@ -157,8 +164,10 @@ def compare_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
     fp8_dir, bf_dir = Path(fp8_dir), Path(fp8_bf16_dir)
     a, b = (onnx.load(str(d / "model.onnx"), load_external_data=False) for d in (fp8_dir, bf_dir))
     diffs: list[str] = []
-    consts = [{t.name: _const_key(t) for t in m.graph.initializer if t.data_location != TensorProto.EXTERNAL}
-              for m in (a, b)]
+    # inline initializers by value; external ones (weights) by the tensor they hold: an fp32 graph reads the
+    # checkpoint's bf16 tensor under `weights.stored_name` and casts it in the graph
+    consts = [{t.name: _const_key(t) if t.data_location != TensorProto.EXTERNAL else ("ext", logical_name(t.name))
+               for t in m.graph.initializer} for m in (a, b)]
     nodes = _compare_nodes("graph", a.graph.node, b.graph.node, diffs, consts)
 
     def io(vs):
@@ -174,7 +183,8 @@ def compare_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
         _compare_nodes(f"function {name}", fa[name].node, fb[name].node, diffs)
 
     # external initializers (weights) by name; inline ones were compared by value where the nodes use them
-    ia, ib = ({t.name: t for t in m.graph.initializer if t.data_location == TensorProto.EXTERNAL} for m in (a, b))
+    ia, ib = ({logical_name(t.name): t for t in m.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+              for m in (a, b))
     if set(ia) != set(ib):
         diffs.append(f"initializers only on one side: {sorted(set(ia) ^ set(ib))[:SHOWN]}")
     fp8_names = [n for n in sorted(set(ia) & set(ib)) if ia[n].data_type == TensorProto.FLOAT8E4M3FN]
@@ -188,11 +198,13 @@ def compare_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
         if (ta.data_type == TensorProto.FLOAT8E4M3FN) != (tb.data_type == TensorProto.FLOAT8E4M3FN):
             diffs.append(f"initializer {n}: e4m3 on one side only")
             continue
-        if ta.data_type == TensorProto.FLOAT8E4M3FN:
+        if ta.data_type == TensorProto.FLOAT8E4M3FN or _in_fp8_file(ta) or _in_fp8_file(tb):
+            # the quantiser's output (e4m3 weights and their fp32 scales): byte-equal
             xa, xb = _external_bytes(ta, fp8_dir, whole), _external_bytes(tb, bf_dir, whole)
             compared += len(xa)
             if xa != xb:
-                diffs.append(f"initializer {n}: e4m3 bytes differ")
+                kind = "e4m3" if ta.data_type == TensorProto.FLOAT8E4M3FN else "fp8-file"
+                diffs.append(f"initializer {n}: {kind} bytes differ")
         # unquantised weights: the external data of the two exports, each validated against the reference
     return TwinReport(nodes, len(ia), compared, diffs)
 

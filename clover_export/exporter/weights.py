@@ -53,6 +53,15 @@ def stored_name(name: str, st_dtype: str) -> str:
     return f"{name}__{st_dtype.lower()}"
 
 
+def logical_name(name: str) -> str:
+    """Inverse of `stored_name`: the tensor an initializer holds, whatever dtype it is stored in."""
+    for st in _ONNX:
+        suffix = f"__{st.lower()}"
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
 def storage_dtype(st_dtype: str):
     """numpy dtype with the stored item size (bf16 as uint16: numpy has no bfloat16)."""
     return _STORAGE[st_dtype]
