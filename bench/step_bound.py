@@ -374,7 +374,8 @@ def main(argv=None) -> int:
     print(f"model ready ({time.time() - t0:.0f} s)", flush=True)
     copy_bw = res["copy_tb_s"] * 1e12
     compute = active_params(model, cfg)
-    for router in args.routers.split(","):
+    routers = args.routers.split(",")
+    for router in routers:
         set_router_(model, router)
         for base in SCENARIOS:
             sc = dict(base, router=router, past=past, N=block if base["N"] is None else base["N"],
@@ -403,7 +404,7 @@ def main(argv=None) -> int:
                 print(f"STEP {sc['name']:24s} router={router:6s} {ms:8.3f} ms, bound {bound:7.3f} ms "
                       f"({ms / bound:.2f}x), {by['total'] / 1e9:.2f} GB, experts/layer "
                       f"{row['experts_per_layer']['mean']:.1f} [{min(union)}-{max(union)}]", flush=True)
-                if sc["name"] == "b8_commit_denoise" and router == "random":
+                if sc["name"] == "b8_commit_denoise" and router == routers[0]:
                     attempt("profile", lambda: profile_step(step, timer, prof_path))
                 del step
 
