@@ -179,3 +179,21 @@ def test_moe_subops_compile_for_tensorrt(arch):
     assert len(vs) == (5 if arch in launch.FP8_ARCHS else 3)
     for v in vs:
         _check(aot.compile_variant(v, arch), v, arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", launch.FP8_ARCHS)
+def test_fp8_expert_gemms_use_fp16_dots(arch):
+    """FP8 experts with bf16 activations: e4m3 widens to fp16 in one instruction and the MMAs take fp16
+    (the e4m3 -> bf16 widening was issue-bound); the BF16 kernels keep bf16 MMAs."""
+    for op in ("MoEGateUpFP8", "MoEDownFP8", "MoEGateUp"):
+        v = aot.moe_subop_variant(op, REAL.num_experts, REAL.num_experts_per_tok, REAL.hidden_size,
+                                  REAL.moe_intermediate_size, {}, "bfloat16", arch)
+        ptx = aot.compile_variant(v, arch).ptx
+        mma = set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\S*", ptx))
+        assert mma, f"{op} sm_{arch}: no MMA instruction"
+        if op.endswith("FP8"):
+            assert "cvt.rn.f16x2.e4m3x2" in ptx, f"{op} sm_{arch}: e4m3 not widened to fp16 directly"
+            assert all(".f16.f16" in m for m in mma), f"{op} sm_{arch}: {mma}"
+        else:
+            assert all(".bf16.bf16" in m for m in mma), f"{op} sm_{arch}: {mma}"
