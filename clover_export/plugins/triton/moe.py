@@ -11,11 +11,14 @@ computes them; one `torch.sort` of the (token, slot) pairs by expert id and
    total, via one sort of (mass, id) keys) then top-min(k, |set|) within the
    set; weights renormalised and cast to the model dtype; distinct experts
    chosen by the block rows. Ties go to the lower expert id everywhere.
-2. `moe_gate_up_kernel`, grid (experts, I tiles): each program reads its
-   expert's segment of the sorted pairs (offsets from `torch.searchsorted`), streams its slice of
-   the gate and up rows once per BLOCK_M pairs, and writes silu(g) * u.
-3. `moe_down_kernel`, grid (experts, D tiles): down projection times the
-   routing weight, one row per (token, slot) pair.
+2. `moe_gate_up_kernel`, grid (M tiles, I tiles): each program finds its
+   expert and BLOCK_M pairs of that expert's segment of the sorted pairs
+   from the offsets (`_segment`: the M-block grid, so a hot expert's tiles run
+   in parallel), streams its slice of the gate and up rows, and writes
+   silu(g) * u. The TensorRT plugins keep the expert grid (M_GRID False:
+   grid (experts, I tiles), each program loops over its expert's M tiles).
+3. `moe_down_kernel`, grid (M tiles, D tiles) likewise: down projection times
+   the routing weight, one row per (token, slot) pair.
 4. `moe_combine_kernel`: each token's k rows summed in fp32.
 
 On TensorRT (`model.trt.onnx`, STEP_GRAPH.md 4) each kernel is one AOT plugin
