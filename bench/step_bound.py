@@ -40,8 +40,9 @@ import torch  # noqa: E402
 
 from clover_export import names  # noqa: E402
 from clover_export.config import config_from_dict  # noqa: E402
-from clover_export.engines.quantize import quantize_weight  # noqa: E402
+from clover_export.engines.quantize import dequantize, quantize_weight  # noqa: E402
 from clover_export.model.model import CloverModel, allocate_pools  # noqa: E402
+from clover_export.model.moe import moe_core  # noqa: E402
 
 PEAK_BW = 4.8e12  # H200 HBM3e, vendor figure (PERF.md 1)
 ZIPF_S = 1.1  # skew of the planted router (PERF.md 2)
@@ -116,7 +117,6 @@ class Timer:
         x = torch.empty(n, dtype=torch.uint8, device=dev)
         y = torch.empty_like(x)
         ms = self.step_ms(lambda: y.copy_(x), n=5)
-        del x, y
         return 2 * n / (ms / 1e3)
 
     def matmul_rate(self, dev, dtype) -> float:
@@ -253,13 +253,23 @@ def moe_only(model, cfg, timer, dev, dtype, fp8_experts, B: int, rows: int, N: i
     io = mlp.gate.weight.numel() * mlp.gate.weight.element_size() + 2 * x.numel() * x.element_size()
     res = {"experts_selected": union}
     with torch.no_grad():
+        # correctness first (the kernels at this routing: M-block grid, FP8 on fp16 dots) vs the torch core
+        want = moe_core(*a)[0]
+        res["bf16_rel_err_vs_core"] = _rel(cuda_ops.coreset_moe(*a)[0], want)
         ms = timer.step_ms(lambda: cuda_ops.coreset_moe(*a), n=10)
         res.update(bf16_ms=ms, bf16_bytes=union * expert_bytes(cfg, False) + io)
         if fp8_experts is not None:
             gq, gs, dq, ds = fp8_experts[mlp.experts.gate_up_proj.data_ptr()]
-            ms8 = timer.step_ms(lambda: cuda_ops.coreset_moe_fp8(x, a[1], gq, gs, dq, ds, *a[4:]), n=10)
+            fp8 = lambda: cuda_ops.coreset_moe_fp8(x, a[1], gq, gs, dq, ds, *a[4:])  # noqa: E731
+            want8 = moe_core(x, a[1], dequantize(gq, gs, dtype), dequantize(dq, ds, dtype), *a[4:])[0]
+            res["fp8_rel_err_vs_dequantised_core"] = _rel(fp8()[0], want8)
+            ms8 = timer.step_ms(fp8, n=10)
             res.update(fp8_ms=ms8, fp8_bytes=union * expert_bytes(cfg, True) + io, fp8_over_bf16=ms / ms8)
     return res
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def profile_step(step: Step, timer: Timer, path: Path) -> None:
@@ -398,7 +408,8 @@ def main(argv=None) -> int:
                 row = dict(name=sc["name"], router=router, B=sc["B"], causal_rows=sc["C"], block_rows=sc["N"],
                            past=past, fp8_experts=sc["fp8"], ms=ms, bound_ms=bound, memory_bound_ms=mem_ms,
                            compute_bound_ms=comp_ms, over_bound=ms / bound,
-                           peak_bound_ms=1e3 * by["total"] / PEAK_BW, bytes_gb={k: v / 1e9 for k, v in by.items()},
+                           peak_bound_ms=1e3 * by["total"] / PEAK_BW, over_peak_bound=ms * PEAK_BW / (1e3 * by["total"]),
+                           bytes_gb={k: v / 1e9 for k, v in by.items()},
                            experts_per_layer=dict(mean=sum(union) / len(union), min=min(union), max=max(union)))
                 res["steps"].append(row)
                 print(f"STEP {sc['name']:24s} router={router:6s} {ms:8.3f} ms, bound {bound:7.3f} ms "
@@ -406,7 +417,6 @@ def main(argv=None) -> int:
                       f"{row['experts_per_layer']['mean']:.1f} [{min(union)}-{max(union)}]", flush=True)
                 if sc["name"] == "b8_commit_denoise" and router == routers[0]:
                     attempt("profile", lambda: profile_step(step, timer, prof_path))
-                del step
 
             sc["router"] = router
             attempt(f"{sc['name']} router={router}", run)

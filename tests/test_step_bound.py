@@ -62,5 +62,6 @@ def test_dry_run_writes_every_scenario(tmp_path):
     assert steps["b8_commit_denoise_fp8"]["bytes_gb"]["experts"] < steps["b8_commit_denoise"]["bytes_gb"]["experts"]
     moe = res["moe"]["zipf"]
     assert moe["fp8_over_bf16"] > 0 and 0 < moe["experts_selected"] <= 16
+    assert moe["bf16_rel_err_vs_core"] < 1e-5 and moe["fp8_rel_err_vs_dequantised_core"] < 1e-5  # fp32 dry run
     assert res["moe_copy_fraction"]["zipf"] > 0
     assert "b8_commit_denoise router=zipf" in (tmp_path / "step_bound_dryrun_profile.txt").read_text()
