@@ -197,3 +197,21 @@ def test_fp8_expert_gemms_use_fp16_dots(arch):
             assert all(".f16.f16" in m for m in mma), f"{op} sm_{arch}: {mma}"
         else:
             assert all(".bf16.bf16" in m for m in mma), f"{op} sm_{arch}: {mma}"
+
+
+def test_m_block_grid_covers_every_tile():
+    """The M-block grid's static row count bounds the tiles of any routing (no host sync to size it)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.integers(0, 300), min_size=1, max_size=64), st.sampled_from([16, 32, 64]))
+    def check(counts, bm):
+        P, E = sum(counts), len(counts)
+        need = sum(launch.cdiv(c, bm) for c in counts)
+        assert need <= launch.moe_m_tiles(P, E, bm)
+        gu, dn, _ = launch.moe_gemm_constexprs(64, 32, 1, bm, False, "bfloat16")
+        gu, dn = launch.moe_m_grid(gu, dn, E)
+        assert launch.moe_grids(E, 1, P, gu, dn)["gate_up"][0] == launch.moe_m_tiles(P, E, bm)
+
+    check()
