@@ -86,7 +86,8 @@ def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), n
         _close(x, y, name)
 
 
-def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=False, ties=False, seed=0):
+def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=False, ties=False, seed=0,
+             hot=False):
     import torch
 
     from clover_export.engines.quantize import dequantize, quantize_weight
@@ -99,6 +100,9 @@ def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=
     rw = torch.randn(E, D, generator=g) * 0.5
     if ties:  # identical router rows give identical probabilities: ties must go to the lower expert id
         rw[1::2] = rw[0::2]
+    if hot:  # every token routes to expert 3: its pairs span several M tiles (parallel programs, M-block grid)
+        x[..., 0] += 4.0
+        rw[3, 0] = 3.0
     gu = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
     dn = torch.randn(E, D, I, generator=g) / I ** 0.5
     kw = {}
@@ -111,7 +115,44 @@ def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=
     _close(got[0], want[0], "routed")
     assert got[1].tolist() == want[1].tolist(), f"coreset_size {got[1].tolist()} != {want[1].tolist()}"
     plain = moe_core(x, rw, gu, dn, k, top_p, False, N)[1]
-    return {"coreset": want[1].tolist(), "plain": plain.tolist()}
+    info = {"coreset": want[1].tolist(), "plain": plain.tolist()}
+    if hot:
+        from clover_export.plugins.triton import launch
+        from clover_export.plugins.triton.ops import moe_route
+
+        idx = moe_route(x, rw, k, top_p, coreset, N)[0]
+        info.update(hot_pairs=int((idx == 3).sum()), block_m=launch.moe_block_m(idx.numel(), E))
+        assert info["hot_pairs"] > 2 * info["block_m"], info  # three or more tiles of one expert
+    return info
+
+
+def moe_fp8_f16_case(act_dtype="float32", seed=7, B=2, Tc=3, N=5, D=64, E=8, I=32, k=2):
+    """FP8 experts on fp16 dots (F16_DOT, per-row power-of-two scaling): each routed row within fp16 rounding
+    of the float64 reference, rows far outside fp16's range (1e6 x: overflow, 1e-3 x: subnormals) included."""
+    import torch
+
+    from clover_export.engines.quantize import dequantize, quantize_weight
+    from clover_export.model.moe import moe_core
+    from clover_export.plugins.triton.ops import coreset_moe
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, Tc + N, D, generator=g)
+    rw = torch.randn(E, D, generator=g) * 0.5
+    (gq, gs) = quantize_weight(torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
+    (dq, ds) = quantize_weight(torch.randn(E, D, I, generator=g) / I ** 0.5)
+    if act_dtype == "float32":
+        x[0, 1] *= 1e6
+        x[1, Tc + 2] *= 1e-3
+    x = x.to(getattr(torch, act_dtype))
+    want = moe_core(x.double(), rw.to(x.dtype).double(), dequantize(gq, gs).double(), dequantize(dq, ds).double(),
+                    k, 0.9, True, N)
+    got = coreset_moe(x, rw.to(x.dtype), gq, dq, k, 0.9, True, N, gate_up_scale=gs, down_scale=ds,
+                      tiles=dict(F16_DOT=True))
+    assert torch.isfinite(got[0]).all(), "fp16 overflow"
+    rel = ((got[0].double() - want[0]).norm(dim=-1) / want[0].norm(dim=-1)).max().item()
+    assert rel < 3e-3, f"worst row relative error {rel:.2e} (fp16 rounding is 4.9e-4)"
+    assert got[1].tolist() == want[1].tolist()
+    return {"worst_row_rel": rel}
 
 
 def moe_tie_case(top_p):
@@ -180,9 +221,13 @@ CASES = {
     "moe_no_block": lambda: moe_case(N=0, Tc=4, seed=3),
     "moe_block_only_full_p": lambda: moe_case(Tc=0, N=7, top_p=1.0, seed=4),
     "moe_ties": lambda: moe_case(ties=True, top_p=0.6, seed=5),
+    "moe_hot_expert_m_tiles": lambda: moe_case(Tc=90, N=8, hot=True, seed=9),
+    "moe_hot_expert_fp8": lambda: moe_case(Tc=90, N=8, hot=True, fp8=True, seed=10),
     "moe_fp8": lambda: moe_case(fp8=True, seed=6),
     "moe_tie_full_p": lambda: moe_tie_case(1.0),
     "moe_tie_p_below_1": lambda: moe_tie_case(1 - 2.0**-24),
+    "moe_fp8_f16_dot_extreme_rows": lambda: moe_fp8_f16_case(),
+    "moe_fp8_f16_dot_fp16_acts": lambda: moe_fp8_f16_case("float16", seed=8),
     "model_step": model_case,
 }
 

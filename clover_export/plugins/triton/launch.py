@@ -171,6 +171,14 @@ MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
 }
 
 
+MOE_TILES_FP8 = {  # FP8 experts: half the bytes per weight, so twice the K tile (the H200 sweep's best, bench/README.md)
+    80: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=2),  # no e4m3 (unused)
+    89: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=2),  # ~99 KB smem
+    90: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=3),
+    100: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=3),
+}
+
+
 MOE_ROUTE_LAUNCH = dict(num_warps=8, num_stages=1)  # [rows, E] fp32 tiles: 8 warps keep them out of local memory
 MOE_SMALL_LAUNCH = dict(num_warps=4, num_stages=1)  # combine kernel
 
@@ -189,8 +197,11 @@ def moe_block_m(pairs: int, num_experts: int) -> int:
 
 def moe_gemm_constexprs(hidden: int, inter: int, top_k: int, block_m: int, fp8: bool, dtype: str,
                         arch: int = 90, tiles: dict | None = None) -> tuple[dict, dict, dict]:
-    """(gate_up constexprs, down constexprs, launch options); `tiles` overrides MOE_TILES entries."""
-    t = dict(MOE_TILES.get(arch, MOE_TILES[90]), **(tiles or {}))
+    """(gate_up constexprs, down constexprs, launch options); `tiles` overrides MOE_TILES(_FP8) entries.
+
+    FP8 with 16-bit activations: F16_DOT (fp16 dots, moe.py `_row_scale`); fp32 activations keep fp32 dots."""
+    table = MOE_TILES_FP8 if fp8 else MOE_TILES
+    t = dict(table.get(arch, table[90]), **(tiles or {}))
     if dtype == "float32" and not tiles:  # fp32 graphs (validation): half the K tile, two stages
         t.update(BLOCK_K1=64, BLOCK_K2=64, num_stages=2)
     prec = "ieee" if dtype == "float32" else "tf32"
@@ -200,7 +211,21 @@ def moe_gemm_constexprs(hidden: int, inter: int, top_k: int, block_m: int, fp8: 
               BLOCK_N=min(t["BLOCK_N1"], max(16, next_pow2(inter))), BLOCK_K=bk1, DOT_PREC=prec)
     dn = dict(D=hidden, I=inter, HAS_SCALE=fp8, BLOCK_M=block_m,
               BLOCK_N=min(t["BLOCK_N2"], max(16, next_pow2(hidden))), BLOCK_K=bk2, DOT_PREC=prec)
+    gu["F16_DOT"] = dn["F16_DOT"] = fp8 and bool(t.get("F16_DOT", dtype != "float32"))
+    for d in (gu, dn):  # the expert grid; moe_m_grid() switches the torch path to the M-block grid
+        d.update(M_GRID=False, NE=1, NEP=1)
     return gu, dn, dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+
+
+def moe_m_grid(gu: dict, dn: dict, num_experts: int) -> tuple[dict, dict]:
+    """The constexprs of the M-block grid (moe.py `_segment`): one program per (M tile, N tile)."""
+    m = dict(M_GRID=True, NE=num_experts, NEP=next_pow2(num_experts))
+    return dict(gu, **m), dict(dn, **m)
+
+
+def moe_m_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the M tiles: sum_e cdiv(p_e, BM) <= cdiv(P, BM) + (experts with pairs) (static: no sync)."""
+    return cdiv(pairs, block_m) + min(num_experts, pairs)
 
 
 def moe_route_grid(B: int, T: int, rc: dict) -> tuple:
@@ -209,9 +234,12 @@ def moe_route_grid(B: int, T: int, rc: dict) -> tuple:
 
 
 def moe_grids(num_experts: int, B: int, T: int, gu: dict, dn: dict, block_d: int = 256) -> dict:
+    rows = num_experts  # expert grid: one program per expert (and N tile)
+    if gu.get("M_GRID"):
+        rows = moe_m_tiles(B * T * gu["K"], num_experts, gu["BLOCK_M"])
     return {
-        "gate_up": (num_experts, cdiv(gu["I"], gu["BLOCK_N"]), 1),
-        "down": (num_experts, cdiv(dn["D"], dn["BLOCK_N"]), 1),
+        "gate_up": (rows, cdiv(gu["I"], gu["BLOCK_N"]), 1),
+        "down": (rows, cdiv(dn["D"], dn["BLOCK_N"]), 1),
         "combine": (B * T, cdiv(dn["D"], block_d), 1),
     }
 

@@ -11,11 +11,14 @@ computes them; one `torch.sort` of the (token, slot) pairs by expert id and
    total, via one sort of (mass, id) keys) then top-min(k, |set|) within the
    set; weights renormalised and cast to the model dtype; distinct experts
    chosen by the block rows. Ties go to the lower expert id everywhere.
-2. `moe_gate_up_kernel`, grid (experts, I tiles): each program reads its
-   expert's segment of the sorted pairs (offsets from `torch.searchsorted`), streams its slice of
-   the gate and up rows once per BLOCK_M pairs, and writes silu(g) * u.
-3. `moe_down_kernel`, grid (experts, D tiles): down projection times the
-   routing weight, one row per (token, slot) pair.
+2. `moe_gate_up_kernel`, grid (M tiles, I tiles): each program finds its
+   expert and BLOCK_M pairs of that expert's segment of the sorted pairs
+   from the offsets (`_segment`: the M-block grid, so a hot expert's tiles run
+   in parallel), streams its slice of the gate and up rows, and writes
+   silu(g) * u. The TensorRT plugins keep the expert grid (M_GRID False:
+   grid (experts, I tiles), each program loops over its expert's M tiles).
+3. `moe_down_kernel`, grid (M tiles, D tiles) likewise: down projection times
+   the routing weight, one row per (token, slot) pair.
 4. `moe_combine_kernel`: each token's k rows summed in fp32.
 
 On TensorRT (`model.trt.onnx`, STEP_GRAPH.md 4) each kernel is one AOT plugin
@@ -27,8 +30,12 @@ contracts' pointer lists.
 
 Experts with no pair exit at once, so each selected expert's weights are
 read once per step (per BLOCK_M pairs). FP8 weights (e4m3, one fp32 scale per
-output channel) are widened to the activation dtype in registers; the scale
-multiplies the fp32 accumulator.
+output channel) are widened in registers; the scale multiplies the fp32
+accumulator. With 16-bit activations (`F16_DOT`) the dot runs in fp16:
+e4m3 -> fp16 is one instruction (-> bf16 is several: the widening was
+issue-bound at small M), and the activations are converted to fp16 after a
+per-row power-of-two scale (`_row_scale`) that keeps them inside fp16's
+range whatever their size; fp32 activations keep fp32 dots (validation).
 """
 
 from __future__ import annotations
@@ -149,34 +156,82 @@ def moe_route_kernel(logits_ptr, T, idx_ptr, w_ptr, distinct_ptr,
 
 
 @triton.jit
+def _segment(offsets_ptr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first, end) of the sorted pairs this program multiplies.
+
+    Expert grid (M_GRID False, the TensorRT plugins): program_id(0) is the expert, [lo, hi) its whole segment
+    (the caller loops over its M tiles). M-block grid (M_GRID True): program_id(0) is a tile of the list
+    "expert e's tiles, for e = 0..NE-1" (cdiv(pairs_e, BLOCK_M) each, as vLLM's moe_align_block_size
+    pads segments), found from the offsets alone; a hot expert gets parallel programs. Programs past the
+    last tile get an empty range."""
+    if M_GRID:
+        t = tl.program_id(0)
+        ee = tl.arange(0, NEP)
+        seg_lo = tl.load(offsets_ptr + ee, mask=ee < NE, other=0)
+        seg_hi = tl.load(offsets_ptr + ee + 1, mask=ee < NE, other=0)
+        n_tiles = (seg_hi - seg_lo + BLOCK_M - 1) // BLOCK_M
+        cum = tl.cumsum(n_tiles, axis=0)  # tiles of experts 0..e
+        e = tl.sum((cum <= t).to(tl.int32), axis=0)  # the first expert whose tiles reach past t
+        mine = ee == e
+        first_tile = tl.sum(tl.where(mine, cum - n_tiles, 0), axis=0)
+        lo = tl.sum(tl.where(mine, seg_lo, 0), axis=0) + (t - first_tile) * BLOCK_M
+        hi = tl.minimum(tl.sum(tl.where(mine, seg_hi, 0), axis=0), lo + BLOCK_M)
+        hi = tl.where(e < NE, hi, lo)  # past the last tile: nothing
+        e = tl.minimum(e, NE - 1)
+    else:
+        e = tl.program_id(0)
+        lo = tl.load(offsets_ptr + e)
+        hi = tl.load(offsets_ptr + e + 1)
+    return e, lo, hi
+
+
+@triton.jit
+def _row_scale(rows_ptr, r_ok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(1/s, s) per row, s = 2^(ceil(log2 amax) - 14): a power of two, so scaling rounds nothing; the row's
+    largest value lands in [2^13, 2^15] (fp16 max 65504, even if log2 is off by one) and everything above
+    amax * 2^-28 stays a normal fp16 number: bf16 (8-bit mantissa) values convert to fp16 (11-bit) exactly,
+    huge rows do not overflow, tiny rows do not go subnormal. The fp32 accumulator is multiplied back by s."""
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, D, BLOCK_K):
+        v = tl.load(rows_ptr + (k0 + kk)[None, :], mask=r_ok[:, None] & ((k0 + kk) < D)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+    ex = tl.minimum(tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))).to(tl.int32) - 14, -100), 100)
+    s_row = ((ex + 127) << 23).to(tl.float32, bitcast=True)
+    inv_s = ((127 - ex) << 23).to(tl.float32, bitcast=True)
+    return inv_s, s_row
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
                        D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                    M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """h[pair, n] = silu(x W_g[e]^T) * (x W_u[e]^T), model-dtype rounding as the reference."""
     _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, HAS_SCALE, BLOCK_M, BLOCK_N,
-             BLOCK_K, DOT_PREC)
+             BLOCK_K, DOT_PREC, F16_DOT, M_GRID, NE, NEP)
 
 
 @triton.jit
 def moe_gate_up_plain_kernel(x_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr,
                              D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             DOT_PREC: tl.constexpr):
+                             DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                    M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """`clover::MoEGateUp` (no scales): the launch ABI of its contract, inputs then outputs."""
     _gate_up(x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, False, BLOCK_M, BLOCK_N, BLOCK_K,
-             DOT_PREC)
+             DOT_PREC, False, M_GRID, NE, NEP)
 
 
 @triton.jit
 def _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
              D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    e = tl.program_id(0)
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+             F16_DOT: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+    e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    lo = tl.load(offsets_ptr + e)
-    hi = tl.load(offsets_ptr + e + 1)
     dt = x_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     g_rows = e.to(tl.int64) * 2 * I + n
@@ -187,14 +242,25 @@ def _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
         tok = pair // K
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_rows = x_ptr + tok[:, None] * D
+        if F16_DOT:
+            inv_s, s_row = _row_scale(x_rows, r_ok, D, BLOCK_M, BLOCK_K)
         for k0 in range(0, D, BLOCK_K):
             k_ok = (k0 + kk) < D
-            xt = tl.load(x_ptr + tok[:, None] * D + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_rows + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             wmask = n_ok[:, None] & k_ok[None, :]
             wg = tl.load(gu_ptr + g_rows[:, None] * D + (k0 + kk)[None, :], mask=wmask, other=0.0)
             wu = tl.load(gu_ptr + (g_rows + I)[:, None] * D + (k0 + kk)[None, :], mask=wmask, other=0.0)
-            acc_g = tl.dot(xt, tl.trans(wg.to(dt)), acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(xt, tl.trans(wu.to(dt)), acc_u, input_precision=DOT_PREC)
+            if F16_DOT:
+                xh = (xt.to(tl.float32) * inv_s[:, None]).to(tl.float16)
+                acc_g = tl.dot(xh, tl.trans(wg.to(tl.float16)), acc_g, input_precision=DOT_PREC)
+                acc_u = tl.dot(xh, tl.trans(wu.to(tl.float16)), acc_u, input_precision=DOT_PREC)
+            else:
+                acc_g = tl.dot(xt, tl.trans(wg.to(dt)), acc_g, input_precision=DOT_PREC)
+                acc_u = tl.dot(xt, tl.trans(wu.to(dt)), acc_u, input_precision=DOT_PREC)
+        if F16_DOT:
+            acc_g = acc_g * s_row[:, None]
+            acc_u = acc_u * s_row[:, None]
         if HAS_SCALE:
             acc_g = acc_g * tl.load(gu_scale_ptr + g_rows, mask=n_ok, other=0.0)[None, :]
             acc_u = acc_u * tl.load(gu_scale_ptr + g_rows + I, mask=n_ok, other=0.0)[None, :]
@@ -208,31 +274,32 @@ def _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
 def moe_down_kernel(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
                     D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                    DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                    M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """y[pair, n] = (h W_down[e]^T)[n] * routing weight, rounded like the reference."""
     _down(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, HAS_SCALE, BLOCK_M, BLOCK_N,
-          BLOCK_K, DOT_PREC)
+          BLOCK_K, DOT_PREC, F16_DOT, M_GRID, NE, NEP)
 
 
 @triton.jit
 def moe_down_plain_kernel(h_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
                           D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_PREC: tl.constexpr):
+                          DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                    M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """`clover::MoEDown` (no scales): the launch ABI of its contract, inputs then outputs."""
     _down(h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, False, BLOCK_M, BLOCK_N, BLOCK_K,
-          DOT_PREC)
+          DOT_PREC, False, M_GRID, NE, NEP)
 
 
 @triton.jit
 def _down(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
           D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    e = tl.program_id(0)
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+          F16_DOT: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+    e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
-    lo = tl.load(offsets_ptr + e)
-    hi = tl.load(offsets_ptr + e + 1)
     dt = h_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     d_rows = e.to(tl.int64) * D + n
@@ -241,11 +308,20 @@ def _down(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
         r_ok = r < hi
         pair = tl.load(order_ptr + r, mask=r_ok, other=0).to(tl.int64)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        h_rows = h_ptr + pair[:, None] * I
+        if F16_DOT:
+            inv_s, s_row = _row_scale(h_rows, r_ok, I, BLOCK_M, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
             k_ok = (k0 + kk) < I
-            ht = tl.load(h_ptr + pair[:, None] * I + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            ht = tl.load(h_rows + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             wd = tl.load(down_ptr + d_rows[:, None] * I + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(ht, tl.trans(wd.to(dt)), acc, input_precision=DOT_PREC)
+            if F16_DOT:
+                hh = (ht.to(tl.float32) * inv_s[:, None]).to(tl.float16)
+                acc = tl.dot(hh, tl.trans(wd.to(tl.float16)), acc, input_precision=DOT_PREC)
+            else:
+                acc = tl.dot(ht, tl.trans(wd.to(dt)), acc, input_precision=DOT_PREC)
+        if F16_DOT:
+            acc = acc * s_row[:, None]
         if HAS_SCALE:
             acc = acc * tl.load(down_scale_ptr + d_rows, mask=n_ok, other=0.0)[None, :]
         wt = tl.load(w_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)

@@ -176,6 +176,7 @@ def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None
     sorted_ids, order = torch.sort(idx.view(-1))  # pairs grouped by expert (E = "none" sorts last)
     offsets = torch.searchsorted(sorted_ids, torch.arange(E + 1, dtype=_I32, device=x.device)).to(_I32)
     gu, dn, opts = launch.moe_gemm_constexprs(D, I, top_k, launch.moe_block_m(P, E), fp8, dtype, arch, tiles)
+    gu, dn = launch.moe_m_grid(gu, dn, E)  # a hot expert's M tiles run in parallel
     grids = launch.moe_grids(E, B, T, gu, dn)
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     gs = offsets if gate_up_scale is None else gate_up_scale.float().contiguous()  # offsets: never read

@@ -1,0 +1,67 @@
+"""bench/step_bound.py: its bytes rule equals PERF.md 1's table, and its CPU dry run writes every figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+@pytest.fixture(scope="module")
+def full_meta():
+    import step_bound as sb
+
+    from clover_export.model.model import CloverModel
+
+    cfg = sb.full_config()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):  # sizes only, no memory
+            model = CloverModel(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return sb, cfg, model
+
+
+@pytest.mark.parametrize("B,C,N,experts,fp8,gb,ms", [
+    (1, 0, 32, 30, False, 11.4, 2.8),  # PERF.md 1 reference table (H200 at 4.14 TB/s)
+    (1, 1, 0, 8, False, 5.9, 1.4),
+    (8, 32, 32, 256, False, 70.0, 16.9),
+    (8, 32, 32, 256, True, 37.9, 9.2),
+])
+def test_step_bytes_match_the_perf_table(full_meta, B, C, N, experts, fp8, gb, ms):
+    sb, cfg, model = full_meta
+    by = sb.step_bytes(model, cfg, dict(B=B, C=C, N=N, past=4096), [experts] * cfg.num_hidden_layers, fp8, 2)
+    assert by["total"] / 1e9 == pytest.approx(gb, rel=0.05)  # the table's figures are rounded ("~")
+    assert 1e3 * by["total"] / 4.14e12 == pytest.approx(ms, rel=0.06)
+    assert by["embedding_rows"] == B * (C + N) * cfg.hidden_size * 2  # rows, not the 1 GB table
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_scenario(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/step_bound.py"), "--dry-run", "--routers", "zipf",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "step_bound_dryrun.json").read_text())
+    assert res["errors"] == []
+    steps = {s["name"]: s for s in res["steps"]}
+    assert set(steps) == {"b1_denoise", "b1_ar_decode", "b8_commit_denoise", "b8_commit_denoise_fp8"}
+    for s in steps.values():
+        assert s["ms"] > 0 and s["bound_ms"] == max(s["memory_bound_ms"], s["compute_bound_ms"]) > 0
+    k = 4  # the dry config's top-k: one causal row selects exactly k distinct experts in every layer
+    assert steps["b1_ar_decode"]["experts_per_layer"] == dict(mean=k, min=k, max=k)
+    assert steps["b8_commit_denoise_fp8"]["bytes_gb"]["experts"] < steps["b8_commit_denoise"]["bytes_gb"]["experts"]
+    moe = res["moe"]["zipf"]
+    assert moe["fp8_over_bf16"] > 0 and 0 < moe["experts_selected"] <= 16
+    assert moe["bf16_rel_err_vs_core"] < 1e-5 and moe["fp8_rel_err_vs_dequantised_core"] < 1e-5  # fp32 dry run
+    assert res["moe_copy_fraction"]["zipf"] > 0
+    assert "b8_commit_denoise router=zipf" in (tmp_path / "step_bound_dryrun_profile.txt").read_text()
