@@ -183,9 +183,10 @@ def test_moe_subops_compile_for_tensorrt(arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", launch.FP8_ARCHS)
-def test_fp8_expert_gemms_use_fp16_dots(arch):
-    """FP8 experts with bf16 activations: e4m3 widens to fp16 in one instruction and the MMAs take fp16
-    (the e4m3 -> bf16 widening was issue-bound); the BF16 kernels keep bf16 MMAs."""
+def test_fp8_expert_gemms_use_fp16_dots(arch, monkeypatch):
+    """FP8 experts with bf16 activations on the opt-in fp16 path (launch.FP8_F16_DOT): e4m3 widens to fp16 in
+    one instruction and the MMAs take fp16; the BF16 kernels keep bf16 MMAs."""
+    monkeypatch.setattr(launch, "FP8_F16_DOT", True)
     for op in ("MoEGateUpFP8", "MoEDownFP8", "MoEGateUp"):
         v = aot.moe_subop_variant(op, REAL.num_experts, REAL.num_experts_per_tok, REAL.hidden_size,
                                   REAL.moe_intermediate_size, {}, "bfloat16", arch)
@@ -197,6 +198,15 @@ def test_fp8_expert_gemms_use_fp16_dots(arch):
             assert all(".f16.f16" in m for m in mma), f"{op} sm_{arch}: {mma}"
         else:
             assert all(".bf16.bf16" in m for m in mma), f"{op} sm_{arch}: {mma}"
+
+
+@pytest.mark.slow
+def test_fp8_expert_gemms_widen_to_bf16_by_default():
+    """The default FP8 path (the faster one measured on the H200): e4m3 widened to bf16, bf16 MMAs."""
+    v = aot.moe_subop_variant("MoEGateUpFP8", REAL.num_experts, REAL.num_experts_per_tok, REAL.hidden_size,
+                              REAL.moe_intermediate_size, {}, "bfloat16", 90)
+    mma = set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\S*", aot.compile_variant(v, 90).ptx))
+    assert mma and all(".bf16.bf16" in m for m in mma), mma
 
 
 def test_m_block_grid_covers_every_tile():

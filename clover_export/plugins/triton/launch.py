@@ -171,6 +171,11 @@ MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
 }
 
 
+# FP8 experts on fp16 dots (moe.py `_row_scale`) is opt-in (tiles={"F16_DOT": True}): on the H200 (2026-11-30,
+# bench/results/step_bound_h200_f16dot_2026-11-30.json) it made the MoE op slower than bf16 (0.85 vs 0.60 ms at
+# B = 8, 256 experts), where widening e4m3 to bf16 in registers had been 1.28x faster than bf16 (2026-11-29).
+FP8_F16_DOT = False
+
 MOE_TILES_FP8 = {  # FP8 experts: half the bytes per weight, so twice the K tile (the H200 sweep's best, bench/README.md)
     80: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=2),  # no e4m3 (unused)
     89: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=2),  # ~99 KB smem
@@ -211,7 +216,7 @@ def moe_gemm_constexprs(hidden: int, inter: int, top_k: int, block_m: int, fp8: 
               BLOCK_N=min(t["BLOCK_N1"], max(16, next_pow2(inter))), BLOCK_K=bk1, DOT_PREC=prec)
     dn = dict(D=hidden, I=inter, HAS_SCALE=fp8, BLOCK_M=block_m,
               BLOCK_N=min(t["BLOCK_N2"], max(16, next_pow2(hidden))), BLOCK_K=bk2, DOT_PREC=prec)
-    gu["F16_DOT"] = dn["F16_DOT"] = fp8 and bool(t.get("F16_DOT", dtype != "float32"))
+    gu["F16_DOT"] = dn["F16_DOT"] = fp8 and bool(t.get("F16_DOT", FP8_F16_DOT and dtype != "float32"))
     for d in (gu, dn):  # the expert grid; moe_m_grid() switches the torch path to the M-block grid
         d.update(M_GRID=False, NE=1, NEP=1)
     return gu, dn, dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
