@@ -171,17 +171,13 @@ MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
 }
 
 
-# FP8 experts on fp16 dots (moe.py `_row_scale`) is opt-in (tiles={"F16_DOT": True}): on the H200 (2026-11-30,
-# bench/results/step_bound_h200_f16dot_2026-11-30.json) it made the MoE op slower than bf16 (0.85 vs 0.60 ms at
-# B = 8, 256 experts), where widening e4m3 to bf16 in registers had been 1.28x faster than bf16 (2026-11-29).
+# FP8 experts, measured on the H200 (2026-11-30, MoE op alone at B = 8 commit+denoise, 256 experts; bf16 0.597 ms;
+# bench/results/step_bound_h200_fp8_variants_2026-11-30.txt): the bf16 tile table with e4m3 widened to bf16 in
+# registers 0.531 ms (1.13x faster than bf16), the same tiles on fp16 dots (moe.py `_row_scale`) 0.581 ms, the
+# K-256 tiles of the 29 Nov sweep on fp16 dots 0.850 ms and widened to bf16 1.020 ms. So FP8 keeps the bf16
+# tiles and the bf16 widening; fp16 dots stay an opt-in (tiles={"F16_DOT": True}).
 FP8_F16_DOT = False
-
-MOE_TILES_FP8 = {  # FP8 experts: half the bytes per weight, so twice the K tile (the H200 sweep's best, bench/README.md)
-    80: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=2),  # no e4m3 (unused)
-    89: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=2),  # ~99 KB smem
-    90: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=3),
-    100: dict(BLOCK_N1=32, BLOCK_K1=256, BLOCK_N2=64, BLOCK_K2=256, num_warps=4, num_stages=3),
-}
+MOE_TILES_FP8 = MOE_TILES
 
 
 MOE_ROUTE_LAUNCH = dict(num_warps=8, num_stages=1)  # [rows, E] fp32 tiles: 8 warps keep them out of local memory
