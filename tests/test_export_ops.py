@@ -92,12 +92,27 @@ CASES = [
 ]
 
 
+def valid_rows(name, tensors, attrs, outputs):
+    """Padding causal rows (at or past n_causal) are don't-care rows of every op (STEP_GRAPH.md 1): the
+    attention core zeroes the values a padding row would read past the valid prefix (so stale or NaN
+    cache entries cannot leak), the function body reads them; both are set to 0 here before comparing."""
+    if name != "BlockAttention":
+        return outputs
+    o = np.array(outputs[0])
+    Tc = o.shape[1] - attrs["block_size"]
+    pad = np.arange(o.shape[1])[None, :] >= tensors["n_causal"].numpy()[:, None]
+    pad[:, Tc:] = False
+    o[pad] = 0
+    return [o, *outputs[1:]]
+
+
 @pytest.mark.parametrize("name,tensors,attrs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_function_body_reproduces_the_core(name, tensors, attrs):
     model = one_node_model(name, tensors, attrs)
     onnx.checker.check_model(model, full_check=True)
-    got = ort_outputs(model, tensors)
-    for spec, g, r in zip(CONTRACTS[name].outputs, got, core_outputs(name, tensors, attrs)):
+    got = valid_rows(name, tensors, attrs, ort_outputs(model, tensors))
+    want = valid_rows(name, tensors, attrs, [np.asarray(x) for x in core_outputs(name, tensors, attrs)])
+    for spec, g, r in zip(CONTRACTS[name].outputs, got, want):
         assert g.shape == r.shape, spec.name
         assert g.dtype == r.dtype, spec.name
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=0, err_msg=f"{name}.{spec.name}")
@@ -119,7 +134,8 @@ def test_functions_run_in_onnx_reference_too():
     for name, tensors, attrs in (CASES[0], CASES[3], CASES[5]):
         model = one_node_model(name, tensors, attrs)
         got = ReferenceEvaluator(model).run(None, {k: v.numpy() for k, v in tensors.items()})
-        for g, r in zip(got, core_outputs(name, tensors, attrs)):
+        got = valid_rows(name, tensors, attrs, got)
+        for g, r in zip(got, valid_rows(name, tensors, attrs, [np.asarray(x) for x in core_outputs(name, tensors, attrs)])):
             np.testing.assert_allclose(g, r, atol=1e-4, rtol=0)
 
 
