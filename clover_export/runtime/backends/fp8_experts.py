@@ -85,8 +85,17 @@ def from_artifact(model, art_dir: str | Path) -> Fp8Experts:
         if scale is None:
             raise CloverError("runtime", f"{art.dir}: FP8 scales {name}.scale missing from the graph",
                               "the artefact is incomplete; quantise it again with `clover-export fp8`")
-        path = Path(entry["file"]) if Path(entry["file"]).is_absolute() else art.dir / entry["file"]
-        raw = np.fromfile(path, dtype=np.uint8, count=int(np.prod(entry["shape"])), offset=int(entry["offset"]))
-        w8 = torch.from_numpy(raw).view(FP8_DTYPE).reshape(entry["shape"])
-        table.install(model, name, w8, torch.from_numpy(numpy_helper.to_array(scale).astype(np.float32)))
+        w8 = torch.from_numpy(_read(art.dir, entry, np.uint8)).view(FP8_DTYPE)
+        if scale.data_location == onnx.TensorProto.EXTERNAL:  # in the build's shared FP8 weight file
+            s = _read(art.dir, wmap[f"{name}.scale"], np.float32)
+        else:
+            s = numpy_helper.to_array(scale).astype(np.float32)
+        table.install(model, name, w8, torch.from_numpy(s))
     return table
+
+
+def _read(folder: Path, entry: dict, dtype) -> np.ndarray:
+    """One tensor of a weight map entry (file, offset, shape), memory-read from its file."""
+    path = Path(entry["file"]) if Path(entry["file"]).is_absolute() else folder / entry["file"]
+    raw = np.fromfile(path, dtype=dtype, count=int(np.prod(entry["shape"])), offset=int(entry["offset"]))
+    return raw.reshape(entry["shape"])
