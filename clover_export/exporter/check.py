@@ -253,23 +253,33 @@ def _check_custom_nodes(proto, rep):
             continue
         if (node.domain, node.op_type) not in functions:
             rep.add("fail", where, "no model-local function attached (ONNX Runtime could not run it)")
-        attrs = {a.name: a for a in node.attribute}
-        for key, want in (("plugin_namespace", NAMESPACE), ("plugin_version", PLUGIN_VERSION)):
-            got = attrs[key].s.decode() if key in attrs else None
-            if got != want:
-                rep.add("fail", where, f"attribute {key} is {got!r}, expected {want!r}")
-        expected = {a.name for a in contract.attributes} | {"plugin_namespace", "plugin_version"}
-        for name in sorted(expected - set(attrs)):
-            rep.add("fail", where, f"attribute {name} missing")
-        for name in sorted(set(attrs) - expected):
-            rep.add("fail", where, f"attribute {name} is not in the contract")
-        for a in attrs.values():
-            bad = _plugin_attr_problem(a)
-            if bad:
-                rep.add("fail", where, f"attribute {a.name}: {bad}")
-        if len(node.input) != len(contract.inputs) or len(node.output) != len(contract.outputs):
-            rep.add("fail", where, f"{len(node.input)} inputs / {len(node.output)} outputs, contract has "
-                    f"{len(contract.inputs)} / {len(contract.outputs)}")
+        _check_plugin_node(node, contract, where, rep)
+
+
+def _check_plugin_node(node, contract, where: str, rep, extra: tuple = (), why: str = "") -> dict:
+    """What every clover plugin node needs, in model.onnx and model.trt.onnx alike: plugin_namespace and
+    plugin_version (STEP_GRAPH.md 2), exactly the contract's attributes besides those and `extra` (whose
+    values the caller checks), values TensorRT's plugin API accepts, the contract's inputs and outputs.
+    Returns the node's attributes by name."""
+    attrs = {a.name: a for a in node.attribute}
+    for key, want in (("plugin_namespace", NAMESPACE), ("plugin_version", PLUGIN_VERSION)):
+        got = attrs[key].s.decode() if key in attrs and attrs[key].type == AttributeProto.STRING else None
+        if got != want:
+            rep.add("fail", where, f"attribute {key} is {got!r}, expected {want!r}{why}")
+    meta = {"plugin_namespace", "plugin_version", *extra}
+    expected = {a.name for a in contract.attributes} | meta
+    for name in sorted(expected - set(attrs) - meta):
+        rep.add("fail", where, f"attribute {name} missing")
+    for name in sorted(set(attrs) - expected):
+        rep.add("fail", where, f"attribute {name} is not in the contract")
+    for a in attrs.values():
+        bad = _plugin_attr_problem(a)
+        if bad:
+            rep.add("fail", where, f"attribute {a.name}: {bad}")
+    if len(node.input) != len(contract.inputs) or len(node.output) != len(contract.outputs):
+        rep.add("fail", where, f"{len(node.input)} inputs / {len(node.output)} outputs, contract has "
+                f"{len(contract.inputs)} / {len(contract.outputs)}")
+    return attrs
 
 
 def _plugin_attr_problem(a) -> str | None:
@@ -397,26 +407,10 @@ def _check_tensorrt(folder: Path, manifest: dict, proto, rep):
             rep.add("fail", where, "not a clover TensorRT plugin op" + (
                 " (CoresetMoE must be split into its AOT sub-ops)" if node.op_type.startswith("CoresetMoE") else ""))
             continue
-        attrs = {a.name: a for a in node.attribute}
-        for key, want in (("plugin_namespace", NAMESPACE), ("plugin_version", PLUGIN_VERSION)):
-            got = attrs[key].s.decode() if key in attrs and attrs[key].type == AttributeProto.STRING else None
-            if got != want:
-                rep.add("fail", where, f"attribute {key} is {got!r}, expected {want!r}: without it the parser "
-                        "does not look for a plugin")
+        attrs = _check_plugin_node(node, contract, where, rep, extra=(AOT_ATTR,),
+                                   why=": without it the parser does not look for a plugin")
         if AOT_ATTR not in attrs or attrs[AOT_ATTR].type != AttributeProto.INT or attrs[AOT_ATTR].i != 1:
             rep.add("fail", where, f"attribute {AOT_ATTR}=1 missing: the plugin has only an AOT implementation")
-        expected = {a.name for a in contract.attributes} | {"plugin_namespace", "plugin_version", AOT_ATTR}
-        for a in sorted(expected - set(attrs) - {"plugin_namespace", "plugin_version", AOT_ATTR}):
-            rep.add("fail", where, f"attribute {a} missing")
-        for a in sorted(set(attrs) - expected):
-            rep.add("fail", where, f"attribute {a} is not in the contract")
-        for a in attrs.values():
-            bad = _plugin_attr_problem(a)
-            if bad:
-                rep.add("fail", where, f"attribute {a.name}: {bad}")
-        if len(node.input) != len(contract.inputs) or len(node.output) != len(contract.outputs):
-            rep.add("fail", where, f"{len(node.input)} inputs / {len(node.output)} outputs, contract has "
-                    f"{len(contract.inputs)} / {len(contract.outputs)}")
     ext = lambda p: {t.name: [(e.key, e.value) for e in t.external_data] for t in p.graph.initializer}  # noqa: E731
     mine, theirs = ext(trt), ext(proto)
     for t in sorted(set(mine) ^ set(theirs)):
