@@ -23,7 +23,9 @@ COMMAND_MODULES = [
 ]
 
 
-class Group(click.Group):
+class OneLineErrors:
+    """Mixin for click commands: a CloverError or a usage error is one line on stderr and exit status 1."""
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -34,6 +36,10 @@ class Group(click.Group):
             where = f"{e.ctx.command_path} --help" if e.ctx is not None else f"{ctx.command_path} --help"
             click.echo(f"error: [cli] {e.format_message()} (see `{where}`)", err=True)
             sys.exit(1)
+
+
+class Group(OneLineErrors, click.Group):
+    pass
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})

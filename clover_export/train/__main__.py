@@ -12,6 +12,7 @@ import click
 import torch
 
 from clover_export.atomic import atomic_write
+from clover_export.cli import OneLineErrors
 from clover_export.train.trainer import TrainSettings, new_model, save_trained, train
 
 
@@ -34,17 +35,8 @@ def trained_generation_config() -> dict:
     return {**generation_config_dict(), "repetition_penalty": 1.0, "presence_penalty": 0.0}
 
 
-class _Command(click.Command):
-    """A CloverError is one line on stderr and exit status 1, as in `clover-export` (cli.py)."""
-
-    def invoke(self, ctx):
-        from clover_export.errors import CloverError
-
-        try:
-            return super().invoke(ctx)
-        except CloverError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(1)
+class _Command(OneLineErrors, click.Command):
+    """Errors as in `clover-export` (cli.py): one line on stderr, exit status 1."""
 
 
 @click.command(cls=_Command)
