@@ -150,14 +150,19 @@ def plain_topk(model):
 # ----------------------------------------------------------------- timing
 def measure_bw(device, dry) -> tuple[float, float]:
     """(copy bytes/s of a large device-to-device copy, dense matmul flop/s) measured here."""
-    n = (1 << 22) if dry else (1 << 30)
-    x = torch.empty(n, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    t = timed(lambda: y.copy_(x), device, 3 if dry else 20)
+    if dry:
+        n = 1 << 22
+        x = torch.empty(n, dtype=torch.uint8, device=device)
+        y = torch.empty_like(x)
+        bw = 2 * n / timed(lambda: y.copy_(x), device, 3)
+    else:
+        from gpu_check import copy_bandwidth
+
+        bw = copy_bandwidth()
     m = 256 if dry else 8192
     a = torch.randn(m, m, device=device, dtype=torch.float32 if dry else torch.bfloat16)
     tm = timed(lambda: a @ a, device, 2 if dry else 10)
-    return 2 * n / t, 2 * m**3 / tm
+    return bw, 2 * m**3 / tm
 
 
 def timed(fn, device, reps: int) -> float:

@@ -96,6 +96,25 @@ def bench_ms(fn, rep_ms: int = 100) -> float:
     return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
+def copy_bandwidth(n: int = 1 << 30, reps: int = 20) -> float:
+    """Bytes/s (read + write) of a device-to-device copy of n bytes: the median of `reps` eager copies timed
+    with CUDA events (PERF.md 1's bandwidth). Not from a CUDA graph: a captured copy_ becomes a graph memcpy
+    node, which read 2.7 TB/s on the H200 where eager copies read 4.1-4.2 (bench/README.md, issue 15)."""
+    x = torch.empty(n, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return 2 * n / sorted(ts)[len(ts) // 2]
+
+
 def graph_ms(fn, n: int = 10, reps: int = 5) -> float:
     """Median time per call of `fn` replayed from a CUDA graph of n calls."""
     s = torch.cuda.Stream()

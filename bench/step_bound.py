@@ -113,7 +113,11 @@ class Timer:
 
     def copy_bw(self, dev) -> float:
         """Bytes/s of a large device-to-device copy (read + write)."""
-        n = 2**30 if self.cuda else 2**24
+        if self.cuda:
+            from gpu_check import copy_bandwidth
+
+            return copy_bandwidth()
+        n = 2**24
         x = torch.empty(n, dtype=torch.uint8, device=dev)
         y = torch.empty_like(x)
         ms = self.step_ms(lambda: y.copy_(x), n=5)

@@ -217,7 +217,16 @@ class TensorReader:
     def read(self, plan: TensorPlan) -> torch.Tensor:
         if plan.fused:
             return self._get(plan.parts[0][0])
-        return torch.stack([torch.cat([self._get(loc) for loc in grp], dim=0) for grp in plan.parts])
+        out = None
+        for e, grp in enumerate(plan.parts):  # per-expert pieces copied once into the fused tensor
+            row = 0
+            for loc in grp:
+                t = self._get(loc)
+                if out is None:
+                    out = torch.empty(plan.shape, dtype=t.dtype)
+                out[e, row:row + t.shape[0]].copy_(t)
+                row += t.shape[0]
+        return out
 
 
 def load_state_dict(

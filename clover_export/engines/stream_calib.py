@@ -65,8 +65,9 @@ def routed_moe_core(x, router_w, gate_up, down, top_k: int, top_p: float, corese
     out = torch.zeros_like(flat)
     for e in torch.nonzero(picked.any(0)).flatten().tolist():
         rows = torch.nonzero(picked[:, e]).flatten()
-        gate, up = F.linear(flat[rows], gate_up[e]).chunk(2, dim=-1)
-        out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e]) * weights[rows, e:e + 1])
+        # experts may be stored narrower than x (the slice reference keeps them bf16): cast one at a time
+        gate, up = F.linear(flat[rows], gate_up[e].to(x.dtype)).chunk(2, dim=-1)
+        out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e].to(x.dtype)) * weights[rows, e:e + 1])
     distinct = chosen[:, Tc:].any(dim=1).sum(-1).to(torch.int32)
     return out.reshape(B, T, D), distinct
 

@@ -119,7 +119,8 @@ def read_weight_map(art: Artifact) -> dict[str, dict]:
         raise CloverError("artifact", f"{art.weight_map_path}: weight map missing") from None
 
 
-def ort_session(artifact: Artifact, providers: list | None = None, session_options=None):
+def ort_session(artifact: Artifact, providers: list | None = None, session_options=None,
+                fed_weights: dict | None = None):
     """An `onnxruntime.InferenceSession` for the artefact's step graph.
 
     providers: as for ONNX Runtime (default: CUDA EP when available, then CPU).
@@ -129,6 +130,9 @@ def ort_session(artifact: Artifact, providers: list | None = None, session_optio
     `SessionOptions.add_external_initializers` (zero copy on CPU; the arrays
     stay referenced by the session as `session._clover_weights`).
     Feeds / fetches use `artifact.input_names` / `artifact.output_names`.
+    An fp32 graph of a bf16 checkpoint runs as `lean_casts.lean_graph` rewrites it (in memory; the file is
+    left as exported); `fed_weights` (name -> (ONNX elem type, shape): weight values of such a graph) become
+    inputs that every run must feed (`lean_casts.feed_weights`).
     """
     import onnxruntime as ort
 
@@ -136,19 +140,33 @@ def ort_session(artifact: Artifact, providers: list | None = None, session_optio
         avail = ort.get_available_providers()
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
     so = session_options or ort.SessionOptions()
+    import onnx
+
+    from clover_export.exporter.lean_casts import feed_weights, lean_graph
+
+    model = str(artifact.graph_path)
+    proto = onnx.load(model, load_external_data=False)
+    gone: list[str] = []
+    if lean_graph(proto):  # fp32 graph of a bf16 checkpoint: the copy ONNX Runtime runs (lean_casts)
+        gone = feed_weights(proto, fed_weights or {})
+        model = proto.SerializeToString()
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(artifact.dir))
+    elif fed_weights:
+        raise CloverError("artifact", f"{artifact.graph_path}: no fp32 casts of stored weights to feed")
+    del proto
     keep = []
     if artifact.weights_mode == "map":
-        names, values, keep = _mapped_initializers(artifact)
+        names, values, keep = _mapped_initializers(artifact, skip=set(gone))
         so.add_external_initializers(names, values)
     try:
-        sess = ort.InferenceSession(str(artifact.graph_path), sess_options=so, providers=providers)
+        sess = ort.InferenceSession(model, sess_options=so, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise CloverError("artifact", f"{artifact.graph_path}: ONNX Runtime cannot load the graph ({e})") from None
     sess._clover_weights = keep
     return sess
 
 
-def _mapped_initializers(art: Artifact):
+def _mapped_initializers(art: Artifact, skip: set[str] = frozenset()):
     """(names, OrtValues, arrays to keep alive) for every weight-map entry that lives outside the folder."""
     import numpy as np
     from onnxruntime import OrtValue
@@ -158,7 +176,7 @@ def _mapped_initializers(art: Artifact):
     names, values, keep = [], [], []
     for name, e in read_weight_map(art).items():
         path = Path(e["file"])
-        if not path.is_absolute():
+        if not path.is_absolute() or name in skip:
             continue  # in-folder files (converted tensors) are read by ONNX Runtime itself
         if not path.exists():
             raise CloverError("artifact", f"{art.weight_map_path}: tensor '{name}' lives in {path}, which is gone",

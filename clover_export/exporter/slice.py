@@ -8,8 +8,9 @@ lm_head, every tensor the real one at full width. It is exported by the same
 code as the whole graph (`export(..., config=, tensor_plans=)`, weights
 referenced in place -- `map`: ONNX Runtime gets the shards' memory-mapped
 bytes -- and cast in the graph), then played in ONNX Runtime (CPU, graph
-optimisations and the memory arena off, so the in-graph casts are neither
-folded into resident fp32 copies nor pooled) and, after that session is gone, by the reference model built from
+optimisations off, so the in-graph casts are not folded into resident fp32
+copies; the graph as `lean_casts` rewrites it, so no cast is of a whole
+embedding or expert tensor) and, after that session is gone, by the reference model built from
 the same checkpoint tensors; the validation scenario and tolerances are
 `validate.py`'s. One layer's weights are resident at a time.
 
@@ -25,12 +26,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from clover_export.checkpoint import TensorPlan, TensorReader, locate_tensors, plan_tensors
 from clover_export.config import CloverConfig, config_from_dict
 
 KINDS = ("linear_attention", "full_attention")
+HEAD = "lm_head.weight"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -137,21 +140,62 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
     feeds = V.make_feeds(plans_, art.config, art.block_size, seed=0)
     pools = V.initial_pools(art, V.NUM_SLOTS, V.pool_len(plans_, art.block_size), seed=1)
     so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # no folded fp32 weight copies
-    so.enable_cpu_mem_arena = False  # the in-graph casts' fp32 buffers are freed after use, not pooled
+    # no folded fp32 weight copies (folding them also took longer than it saved: 29 s to build the session).
+    # The arena stays on: the graph's casts are per expert and per gathered row (lean_casts), and without
+    # it each fresh buffer costs its page faults again (5 steps: 71 s without, 23 s with, at full width).
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     runner = V.OrtRunner.__new__(V.OrtRunner)
     runner.name, runner.outputs = "onnxruntime-cpu", art.output_names
-    runner.session = ort_session(art, ["CPUExecutionProvider"], session_options=so)
-    got = V.play(runner, feeds, pools)
-    del runner
+    fed = _fed_weights(plans)
+    runner.session = ort_session(art, ["CPUExecutionProvider"], session_options=so,
+                                 fed_weights={n: (t.onnx_type, list(t.value.shape)) for n, t in fed.items()})
+    fed_ort = {n: t.ort_value() for n, t in fed.items()}
+    # copies: ONNX Runtime's outputs keep its memory arena alive (4 GiB at full width) while referenced
+    got = [{k: np.array(v, copy=True) for k, v in step.items()}
+           for step in V.play(runner, [{**f, **fed_ort} for f in feeds], pools)]
+    del runner, fed_ort
     _release_memory()
-    ref = _ReferenceSlice(scfg, plans, art)
+    ref = _ReferenceSlice(scfg, plans, art, preloaded={t.param: t.value for t in fed.values()})
+    del fed
     expected = V.play(ref, feeds, pools)
     del ref
     _release_memory()
     rep = V.ValidationReport(steps=[p.name for p in plans_], runners=["onnxruntime-cpu"])
     rep.errors = V.compare("onnxruntime-cpu", got, expected, V.fp32_tolerance)
     return rep.passed, rep.format()
+
+
+@dataclass
+class _Fed:
+    """A weight prepared once and fed to every ONNX Runtime run of the slice (lean_casts.feed_weights)."""
+
+    param: str  # the model parameter (the reference reuses the tensor)
+    value: torch.Tensor
+    onnx_type: int
+
+    def ort_value(self):
+        from onnxruntime import OrtValue
+
+        t = self.value
+        arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+        return OrtValue.ortvalue_from_numpy_with_onnx_type(arr, self.onnx_type)
+
+
+def _fed_weights(plans: dict[str, TensorPlan]) -> dict[str, _Fed]:
+    """Graph value -> weight fed instead of computed by every step: the lm_head in fp32 (a 2 GiB cast per step
+    otherwise) and per-expert experts fused once in bf16 (a 2.4 GiB Concat per step, and their mapped pages)."""
+    from onnx import TensorProto
+
+    from clover_export.exporter.weights import stored_name
+
+    reader, out = TensorReader(), {}
+    head = plans.get(HEAD)
+    if head is not None and head.parts[0][0].dtype != "F32":  # the fp32 graph casts it
+        out[HEAD] = _Fed(HEAD, reader.read(head).float(), TensorProto.FLOAT)
+    for name, plan in plans.items():
+        if ".mlp.experts." in name and not plan.fused and {loc.dtype for g in plan.parts for loc in g} == {"BF16"}:
+            out[stored_name(name, "BF16")] = _Fed(name, reader.read(plan), TensorProto.BFLOAT16)
+    return out
 
 
 def _release_memory() -> None:
@@ -166,17 +210,24 @@ def _release_memory() -> None:
         pass
 
 
+def _stored_or_fp32(t: torch.Tensor, name: str) -> torch.Tensor:
+    return t if ".mlp.experts." in name and t.dtype in (torch.bfloat16, torch.float16) else t.float()
+
+
 class _ReferenceSlice:
     """The fp32 reference model of the slice, its weights read from the checkpoint tensors."""
 
     name = "reference-torch"
 
-    def __init__(self, scfg: CloverConfig, plans: dict[str, TensorPlan], art):
+    def __init__(self, scfg: CloverConfig, plans: dict[str, TensorPlan], art, preloaded=None):
         from clover_export.models import build_model
 
         self.model = build_model(scfg, torch.float32, device="meta", block_size=art.block_size)
         reader = TensorReader()
-        state = {n: (reader.read(plans[n]) if n in plans else torch.zeros(p.shape)).float()
+        # experts stay as stored (bf16: 1.6 GiB a layer at full width, not 3.2): the routed core casts one
+        # expert at a time, exactly (bf16 -> fp32 is exact)
+        pre = preloaded or {}
+        state = {n: pre[n] if n in pre else _stored_or_fp32(reader.read(plans[n]) if n in plans else torch.zeros(p.shape), n)
                  for n, p in self.model.named_parameters()}
         self.model.load_state_dict(state, strict=True, assign=True)
         from dataclasses import replace

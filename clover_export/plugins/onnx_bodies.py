@@ -288,7 +288,10 @@ def write_causal_rows(b: Body, pool: str, new, slots, past, nc, tc_s):
 
 
 # --- clover::CoresetMoE ---------------------------------------------------------
-def moe_body() -> list[onnx.NodeProto]:
+def moe_body(inputs=("gate_up", "down"), expert=None) -> list[onnx.NodeProto]:
+    """moe.moe_core over the expert tensors `inputs`; `expert` makes one expert's fp32 (gate_up, down) from its
+    slices of them (expert_loop)."""
+    expert = expert or _expert_weights
     b = Body("m")
     top_k, top_p, coreset, nb = b.attr_int("top_k"), b.attr_float("top_p"), b.attr_int("coreset"), b.attr_int("block_size")
     x = b.f("x")
@@ -328,31 +331,64 @@ def moe_body() -> list[onnx.NodeProto]:
     weights = b.op("ScatterElements", zeros, idx, vals, axis=2)  # [B, T, E]
     chosen = b.op("ScatterElements", zeros, idx, b.op("Cast", ok, to=F32), axis=2)
     weights = b.f(b.op("CastLike", weights, "x"))  # routing weights in the hidden dtype (MODEL.md 4)
-    # experts, dense over E: [E, B*T, D] @ [E, D, 2I] -> [E, B*T, 2I]
-    xf = b.op("Reshape", x, b.cat(b.ints(1, -1), b.dim("x", 2)))
-    gu = b.op("MatMul", xf, b.t(b.f("gate_up"), (0, 2, 1)))
-    i_half = b.op("Div", b.dim("gate_up", 1), b.ints(2))
-    gate = b.slice(gu, b.ints(0), i_half, 2)
-    up = b.slice(gu, i_half, b.ints(BIG), 2)
-    y = b.op("MatMul", b.op("Mul", b.silu(gate), up), b.t(b.f("down"), (0, 2, 1)))  # [E, B*T, D]
-    w_e = b.unsq(b.t(b.op("Reshape", weights, b.cat(b.ints(-1), E)), (1, 0)), 2)  # [E, B*T, 1]
-    routed = b.sum(b.op("Mul", y, w_e), 0)  # [B*T, D]
-    routed = b.op("Reshape", routed, b.op("Shape", "x"))
+    # experts: a Loop over E, each expert on its routed rows only (expert_loop)
+    routed = b.op("Reshape", expert_loop(b, list(inputs), expert, x, weights, chosen, E), b.op("Shape", "x"))
     b.nodes.append(onnx.helper.make_node("CastLike", [routed, "x"], ["routed"]))
     block_chosen = b.op("ReduceMax", b.rows(chosen, tc, None), b.ints(1), keepdims=0)  # [B, E]
     b.nodes.append(onnx.helper.make_node("Cast", [b.sum(block_chosen, 1)], ["coreset_size"], to=onnx.TensorProto.INT32))
     return b.nodes
 
 
+def _expert_weights(s: Body, w: dict[str, str]) -> tuple[str, str]:
+    """One expert's (gate_up [2I, D], down [D, I]) in fp32 from its slices of the CoresetMoE inputs."""
+    return s.f(w["gate_up"]), s.f(w["down"])
+
+
+def expert_loop(b: Body, inputs: list[str], expert, x: str, weights: str, chosen: str, E: str) -> str:
+    """sum_e w[:, e] * FFN_e(x) over the rows that chose expert e: [B*T, D] fp32 (x fp32 [B, T, D]).
+
+    A Scan over the experts (not one [E, B*T, D] product): each iteration
+    gets ONE expert's slices of `inputs` (any dtype: the Scan body's weight
+    inputs are untyped, and opset 20's Gather takes no float8), makes them
+    fp32 with `expert(body, {input: slice})`, runs them on the rows that
+    chose the expert and scatter-adds the result. ONNX Runtime so holds one
+    expert in fp32 at a time and does only the routed work: the dense form
+    held fp32 copies and transposes of every expert (2 GiB each at full size)
+    and did E / top_k times the arithmetic. A row that did not choose e has
+    weight 0 for it, so the sum is the dense one.
+    """
+    xf = b.op("Reshape", x, b.cat(b.ints(-1), b.dim("x", 2)))  # [BT, D]
+    wT, cT = (b.t(b.op("Reshape", t, b.cat(b.ints(-1), E)), (1, 0)) for t in (weights, chosen))  # [E, BT]
+    s = Body("e")
+    rows = s.t(s.op("NonZero", s.op("Greater", "c_e", s.f32(0.5))), (1, 0))  # [n, 1]
+    xe = s.op("GatherND", xf, rows)  # [n, D]
+    we = s.unsq(s.op("GatherND", "w_e", rows), 1)  # [n, 1]
+    gate_up, down = expert(s, {n: f"{n}_e" for n in inputs})
+    gate, up = s.op("Split", s.op("Gemm", xe, gate_up, transB=1), num_outputs=2, axis=1, outputs=2)  # [n, I] x2
+    y = s.op("Gemm", s.op("Mul", s.silu(gate), up), down, transB=1)  # [n, D]
+    s.nodes.append(onnx.helper.make_node("ScatterND", ["acc_in", rows, s.op("Mul", y, we)], ["acc_out"],
+                                         reduction="add"))
+    info = onnx.helper.make_tensor_value_info
+    untyped = [onnx.ValueInfoProto(name=f"{n}_e") for n in inputs]  # dtype from the call site
+    body = onnx.helper.make_graph(
+        s.nodes, "expert_step",
+        [info("acc_in", F32, [None, None]), info("c_e", F32, [None]), info("w_e", F32, [None]), *untyped],
+        [info("acc_out", F32, [None, None])])
+    return b.op("Scan", b.op("Mul", xf, b.f32(0.0)), cT, wT, *inputs, body=body, num_scan_inputs=2 + len(inputs))
+
 # --- clover::CoresetMoEFP8 ------------------------------------------------------
 def moe_fp8_body() -> list[onnx.NodeProto]:
-    """moe.moe_core_fp8: W = Cast(fp8, float) * scale[..., None], CastLike x, then the CoresetMoE body inline
-    (self-contained: no nested function call, so the function runs wherever it is attached)."""
-    b = Body("q")
-    for w in ("gate_up", "down"):
-        deq = b.op("Mul", b.f(f"{w}_fp8"), b.unsq(f"{w}_scale", -1))
-        b.nodes.append(onnx.helper.make_node("CastLike", [deq, "x"], [w]))  # the names moe_body reads
-    return b.nodes + moe_body()
+    """moe.moe_core_fp8: W = Cast(fp8, float) * scale[..., None], rounded to x's dtype, then the CoresetMoE body
+    (self-contained: no nested function call, so the function runs wherever it is attached); dequantised one
+    expert at a time inside the expert Scan."""
+
+    def expert(s: Body, w: dict[str, str]) -> tuple[str, str]:
+        def deq(name: str) -> str:
+            return s.f(s.op("CastLike", s.op("Mul", s.f(w[f"{name}_fp8"]), s.unsq(w[f"{name}_scale"], -1)), "x"))
+
+        return deq("gate_up"), deq("down")
+
+    return moe_body(("gate_up_fp8", "gate_up_scale", "down_fp8", "down_scale"), expert)
 
 
 BODIES = {"BlockGDN": gdn_body, "BlockAttention": attention_body, "CoresetMoE": moe_body,

@@ -176,8 +176,9 @@ def block_gdn_kernel(
                 # v_new = (I + A)^-1 beta (v - exp(G) k S)
                 x = beta[:, None] * (v - tl.exp(G)[:, None] * kS)
                 # forward substitution, row by row: x_i -= A[i, :i] x[:i] (STEP_GRAPH.md 2: the product
-                # series (I - A)(I + A^2)... cancels catastrophically once keys agree and decay is slow)
-                for i in range(1, CC):
+                # series (I - A)(I + A^2)... cancels catastrophically once keys agree and decay is slow).
+                # Rows from nc on have beta = 0 (zero rows of A and x): the loop stops at the last valid row.
+                for i in range(1, tl.minimum(nc - c0, CC)):
                     a_i = tl.sum(tl.where(rr[:, None] == i, A, 0.0), axis=0)  # row i of A: zero from column i
                     x = tl.where(rr[:, None] == i, x - tl.sum(a_i[:, None] * x, axis=0)[None, :], x)
                 qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * decay
