@@ -84,6 +84,12 @@ def write_sparse_checkpoint(folder: Path) -> tuple[int, int]:
         with open(folder / fname, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             f.truncate(8 + len(raw) + off)
+    # the real checkpoint ships Qwen's tokenizer; the embedded default's gives ids inside the full vocabulary,
+    # which is all the build's FP8 calibration prompts need
+    from clover_export.tiny import ensure_tiny
+
+    for fname in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(ensure_tiny() / fname, folder / fname)
     total = sum(n for _, _, n in (t for s in shards for t in s))
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))

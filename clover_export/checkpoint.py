@@ -205,6 +205,11 @@ class TensorReader:
         self._open = safe_open
         self._handles: dict[Path, object] = {}
 
+    def close(self) -> None:
+        """Drop the open shards: their mapped pages stop counting in this process's RSS (a streamed pass over
+        the 69 GB checkpoint otherwise ends with every page it touched mapped: 15 GiB RssFile seen)."""
+        self._handles.clear()
+
     def _get(self, loc: TensorLocation) -> torch.Tensor:
         h = self._handles.get(loc.file)
         if h is None:

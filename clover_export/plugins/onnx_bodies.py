@@ -15,6 +15,8 @@ Where the torch core uses something ONNX lacks:
   summed over the taps; the channel count is only known from the input
   shape, and Conv's `group` must be a literal.
 - `index_copy` into the slot pools: `ScatterND` (slots are unique per step).
+- the routed experts: a `Scan` over the experts, each on the rows routed to
+  it (`expert_loop`), where the core loops over experts densely.
 """
 
 from __future__ import annotations
@@ -375,6 +377,7 @@ def expert_loop(b: Body, inputs: list[str], expert, x: str, weights: str, chosen
         [info("acc_in", F32, [None, None]), info("c_e", F32, [None]), info("w_e", F32, [None]), *untyped],
         [info("acc_out", F32, [None, None])])
     return b.op("Scan", b.op("Mul", xf, b.f32(0.0)), cT, wT, *inputs, body=body, num_scan_inputs=2 + len(inputs))
+
 
 # --- clover::CoresetMoEFP8 ------------------------------------------------------
 def moe_fp8_body() -> list[onnx.NodeProto]:
