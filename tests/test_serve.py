@@ -114,6 +114,17 @@ def wait_idle(server, timeout=30):
     return False
 
 
+def assert_each_answer_is_its_answer_alone(outs, reference, server) -> None:
+    """outs[i] answered RAW_CASES[i % 3] (streamed when i is even): each equals the reference Generator's answer
+    to that request alone; afterwards the server is idle and healthy."""
+    for i, out in enumerate(outs):
+        prompt, max_tokens = RAW_CASES[i % 3]
+        text = "".join(p.choices[0].text for p in out) if i % 2 == 0 else out.choices[0].text
+        assert text == reference.generate(prompt, raw=True, max_new_tokens=max_tokens).text
+    assert wait_idle(server)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def running_soon(server, timeout=20):
     """Until a row is running in the batch."""
     sched = engine(server).gen.loop.scheduler
@@ -410,12 +421,7 @@ def test_a_request_failing_in_the_engine_fails_alone(server, client, reference, 
     events = [json.loads(e[6:]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
     assert status == 200 and events[-1]["error"]["code"] == "engine_error" and text.endswith("data: [DONE]\n\n")
     check_error(refused.result(), 400, code="context_length_exceeded")
-    for i, out in enumerate(outs):
-        prompt, max_tokens = RAW_CASES[i % 3]
-        text = "".join(p.choices[0].text for p in out) if i % 2 == 0 else out.choices[0].text
-        assert text == reference.generate(prompt, raw=True, max_new_tokens=max_tokens).text
-    assert wait_idle(server)
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert_each_answer_is_its_answer_alone(outs, reference, server)
 
 
 def test_models_and_metrics(server, client):
@@ -515,9 +521,4 @@ def test_a_row_failing_inside_the_runtime_step_fails_alone(server, client, refer
         outs = [f.result() for f in goods]
     r = bad.result()
     assert r.status_code >= 400 and "error" in r.json(), r.text
-    for i, out in enumerate(outs):
-        prompt, max_tokens = RAW_CASES[i % 3]
-        text = "".join(p.choices[0].text for p in out) if i % 2 == 0 else out.choices[0].text
-        assert text == reference.generate(prompt, raw=True, max_new_tokens=max_tokens).text
-    assert wait_idle(server)
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert_each_answer_is_its_answer_alone(outs, reference, server)

@@ -72,6 +72,15 @@ def routed_moe_core(x, router_w, gate_up, down, top_k: int, top_p: float, corese
     return out.reshape(B, T, D), distinct
 
 
+def reference_weight(name: str, t: torch.Tensor, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A checkpoint tensor for a reference model run with `routed_moe_core`, in `dtype` -- except routed experts
+    stored narrower, which stay as stored (bf16: 1.6 GiB a layer at full size, not 3.2 in fp32): the routed
+    core casts one expert at a time, exactly."""
+    if ".mlp.experts." in name and t.dtype.itemsize < dtype.itemsize:
+        return t.to(device=device)
+    return t.to(device=device, dtype=dtype)
+
+
 def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.dtype = torch.float32,
                    device: str | None = None, desc: str = "calibrate"):
     """A `CloverModel` whose decoder layers load their weights on entry and drop them on exit."""
@@ -92,10 +101,7 @@ def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.
         for name, p in module.named_parameters():
             full = prefix + name
             t = reader.read(plans[full]) if full in plans else torch.zeros(p.shape)  # opted-in Qwen: zero-filled
-            # routed experts stay as stored when narrower (bf16: 1.6 GiB a layer, not 3.2 in fp32):
-            # routed_moe_core casts one expert at a time, exactly
-            narrow = ".mlp.experts." in full and t.dtype.itemsize < torch.tensor([], dtype=dtype).element_size()
-            out[name] = t.to(device=device) if narrow else t.to(device=device, dtype=dtype)
+            out[name] = reference_weight(full, t, dtype, device)
         return out
 
     for prefix, module in (("model.embed_tokens.", model.model.embed_tokens), ("model.norm.", model.model.norm),

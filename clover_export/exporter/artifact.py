@@ -134,16 +134,15 @@ def ort_session(artifact: Artifact, providers: list | None = None, session_optio
     left as exported); `fed_weights` (name -> (ONNX elem type, shape): weight values of such a graph) become
     inputs that every run must feed (`lean_casts.feed_weights`).
     """
+    import onnx
     import onnxruntime as ort
+
+    from clover_export.exporter.lean_casts import feed_weights, lean_graph
 
     if providers is None:
         avail = ort.get_available_providers()
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
     so = session_options or ort.SessionOptions()
-    import onnx
-
-    from clover_export.exporter.lean_casts import feed_weights, lean_graph
-
     model = str(artifact.graph_path)
     proto = onnx.load(model, load_external_data=False)
     gone: list[str] = []

@@ -68,14 +68,9 @@ def lean_graph(proto: onnx.ModelProto) -> bool:
                 if n.input[i] in casts:
                     n.input[i] = casts[n.input[i]].input[0]
         out.append(n)
-    from clover_export.exporter.export import _reads
-
-    read = {i for m in out for i in _reads(m)}
-    out = [m for m in out if not (m.output[0] in transposes and m.output[0] not in read)]
-    read = {i for m in out for i in _reads(m)}
-    out = [m for m in out if not (m.output[0] in casts and m.output[0] not in read)]
     del g.node[:]
     g.node.extend(out)
+    _drop_unread(g)  # the replaced transposes, then the casts only they read
     return True
 
 
@@ -84,26 +79,31 @@ def feed_weights(proto: onnx.ModelProto, weights: dict[str, tuple[int, list[int]
     stored tensors, or the bf16 per-expert Concat + Reshape the `CoresetMoE` node reads. The caller then feeds
     each once-prepared array with every run (no per-step 2 GiB lm_head cast or 2.4 GiB expert concat).
     Returns the stored initializers no node reads any more (removed from the graph)."""
-    from clover_export.exporter.export import _reads
-
     g = proto.graph
     producer = {o: n for n in g.node for o in n.output}
     for w, (elem, shape) in weights.items():
         g.node.remove(producer[w])
         g.input.append(helper.make_tensor_value_info(w, elem, shape))
-    outputs = {o.name for o in g.output}
-    while True:  # the weight chains left unread (Concat pieces, shapes, casts) go
-        read = {i for n in g.node for i in _reads(n)} | outputs
-        dead = [n for n in g.node if not any(o in read for o in n.output)]
-        if not dead:
-            break
-        for n in dead:
-            g.node.remove(n)
+    read = _drop_unread(g)  # the weight chains left unread (Concat pieces, shapes, casts)
     gone = [t.name for t in g.initializer if t.name not in read]
     kept = [t for t in g.initializer if t.name in read]
     del g.initializer[:]
     g.initializer.extend(kept)
     return gone
+
+
+def _drop_unread(g: onnx.GraphProto) -> set[str]:
+    """Remove the nodes whose outputs nothing reads (repeatedly: chains go whole); returns the names read."""
+    from clover_export.exporter.export import _reads
+
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {i for n in g.node for i in _reads(n)} | outputs
+        dead = [n for n in g.node if not any(o in read for o in n.output)]
+        if not dead:
+            return read
+        for n in dead:
+            g.node.remove(n)
 
 
 def _gemm(n, w: str, shape: list[int]) -> list:

@@ -210,30 +210,24 @@ def _release_memory() -> None:
         pass
 
 
-def _stored_or_fp32(t: torch.Tensor, name: str) -> torch.Tensor:
-    return t if ".mlp.experts." in name and t.dtype in (torch.bfloat16, torch.float16) else t.float()
-
-
 class _ReferenceSlice:
     """The fp32 reference model of the slice, its weights read from the checkpoint tensors."""
 
     name = "reference-torch"
 
     def __init__(self, scfg: CloverConfig, plans: dict[str, TensorPlan], art, preloaded=None):
+        from dataclasses import replace
+
+        from clover_export.engines.stream_calib import reference_weight, routed_moe_core
         from clover_export.models import build_model
 
         self.model = build_model(scfg, torch.float32, device="meta", block_size=art.block_size)
         reader = TensorReader()
-        # experts stay as stored (bf16: 1.6 GiB a layer at full width, not 3.2): the routed core casts one
-        # expert at a time, exactly (bf16 -> fp32 is exact)
-        pre = preloaded or {}
-        state = {n: pre[n] if n in pre else _stored_or_fp32(reader.read(plans[n]) if n in plans else torch.zeros(p.shape), n)
+        pre = preloaded or {}  # `_fed_weights`' tensors, shared with the ONNX Runtime run
+        state = {n: pre[n] if n in pre else
+                 reference_weight(n, reader.read(plans[n]) if n in plans else torch.zeros(p.shape), torch.float32)
                  for n, p in self.model.named_parameters()}
         self.model.load_state_dict(state, strict=True, assign=True)
-        from dataclasses import replace
-
-        from clover_export.engines.stream_calib import routed_moe_core
-
         # the dense reference core runs all 256 experts on every row; the routed one equals it (tested in fp64)
         self.model.cores = replace(self.model.cores, moe=routed_moe_core)
         self.model.eval().requires_grad_(False)

@@ -99,7 +99,7 @@ class StepGraphs:
         graph, static, (logits, coreset) = self.graphs[b]
         ids = inputs[names.INPUT_IDS]
         B, T = ids.shape
-        C, N = T - self.block_size, self.block_size
+        C = T - self.block_size
         sids = static[names.INPUT_IDS]
         sids.zero_()
         sids[:B, :C].copy_(ids[:, :C])
