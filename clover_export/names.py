@@ -18,6 +18,8 @@ PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|d
 
 # dtypes a checkpoint tensor may have (safetensors spelling)
 FLOAT_DTYPES = ("BF16", "F32", "F16")
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
 
 
 def canonical_name(name: str) -> str | None:
@@ -38,9 +40,9 @@ def expected_tensors(cfg: CloverConfig, clover: bool = True) -> dict[str, tuple[
     D, V, E, I = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_intermediate_size
     Ish = cfg.shared_expert_intermediate_size
     t: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (V, D),
+        EMBED: (V, D),
         "model.norm.weight": (D,),
-        "lm_head.weight": (V, D),
+        LM_HEAD: (V, D),
     }
     for i, kind in enumerate(cfg.layer_types):
         L = layer(i)

@@ -31,7 +31,7 @@ def fp8_weight_names(cfg: CloverConfig, include_lm_head: bool = False) -> list[s
     """The GEMM weights an FP8 engine stores as e4m3 with per-output-channel scales."""
     out = []
     for n, s in names.expected_tensors(cfg, clover=cfg.is_clover).items():
-        if n == "model.embed_tokens.weight" or (n == "lm_head.weight" and not include_lm_head):
+        if n == names.EMBED or (n == names.LM_HEAD and not include_lm_head):
             continue
         if n.endswith(("experts.gate_up_proj", "experts.down_proj")) or (len(s) == 2 and n.endswith("proj.weight")):
             out.append(n)

@@ -77,6 +77,56 @@ def test_rerun_continues_from_the_finished_stages(resumed):
     assert (out / "onnx-fp8-bf16" / "manifest.json").exists()
 
 
+def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model, tmp_path, monkeypatch):
+    """The FP8 weight file is written in a thread beside the CPU-bound stages (engines/background.py).
+    Interrupted mid-way by the build's own thread: nothing of it is left and the thread has stopped.
+    Finished when a later stage fails: it is recorded, and the next run reuses it."""
+    import threading
+    import time
+
+    from clover_export.engines import fp8
+
+    out, logs = tmp_path / "out", [[], []]
+    real_q, real_cal = fp8_weights.quantize_weight, fp8.calibrate
+
+    calibrating = threading.Event()
+
+    def slow(w):  # still writing when calibration starts
+        calibrating.wait(120)
+        time.sleep(0.2)
+        return real_q(w)
+
+    def interrupted(*a, **k):
+        calibrating.set()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fp8_weights, "quantize_weight", slow)
+    monkeypatch.setattr(fp8, "calibrate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        B.build(model, out, B.BuildOptions(**OPTS), log=logs[0].append)
+    assert any("writing in the background" in line for line in logs[0])
+    assert not [t for t in threading.enumerate() if t.name == "fp8-weights"]
+    entries = sorted(p.name for p in out.iterdir())
+    assert "fp8-weights" not in entries and not [e for e in entries if e.startswith(".")], entries
+    assert "fp8-weights" not in json.loads((out / "build.json").read_text())["stages"]
+
+    def fails_after_the_writer(*a, **k):
+        for t in threading.enumerate():
+            if t.name == "fp8-weights":
+                t.join()
+        raise RuntimeError("calibration failed")
+
+    monkeypatch.setattr(fp8_weights, "quantize_weight", real_q)
+    monkeypatch.setattr(fp8, "calibrate", fails_after_the_writer)
+    with pytest.raises(RuntimeError, match="calibration failed"):
+        B.build(model, out, B.BuildOptions(**OPTS), log=logs[1].append)
+    assert "fp8-weights" in json.loads((out / "build.json").read_text())["stages"]
+    assert (out / "fp8-weights" / fp8_weights.FP8_BIN).exists()
+    monkeypatch.setattr(fp8, "calibrate", real_cal)
+    assert B.build(model, out, B.BuildOptions(**OPTS), log=logs[0].append).reused[-1:] != []
+    assert "fp8-weights" in B.Stages(out).data["stages"] and "[quantize] reused fp8-weights" in "\n".join(logs[0])
+
+
 # --- no fp32 weight copy, FP8 weights once ------------------------------------------------
 def _files(folder: Path):
     return [p for p in folder.rglob("*") if p.is_file()]
@@ -160,26 +210,56 @@ def test_auto_validation_picks_slices_when_the_whole_graph_does_not_fit(model, m
 
 # --- calibration ----------------------------------------------------------------------------
 def test_layer_streamed_calibration_equals_whole_model_calibration(model):
-    from clover_export.engines.calibration import BUILTIN_PROMPTS, calibration_steps
+    from clover_export.engines.calibration import BUILTIN_PROMPTS, calibration_steps, prompt_batch
     from clover_export.engines.fp8 import calibrate
     from clover_export.engines.stream_calib import resident_layers, streamed_model
 
     whole_steps = calibration_steps(model, BUILTIN_PROMPTS[:4], 8)
     whole = calibrate(model, whole_steps, 8)
+    # the prompt batch played directly (prefill once, its own fill for the denoise step) is the same calibration
+    assert calibrate(model, prompt_batch(model, BUILTIN_PROMPTS[:4], 8), 8) == whole
     streamed = streamed_model(model, 8, device="cpu")
-    seen = []
+    seen, loads = [], []
     for layer in streamed.model.layers:
         layer.register_forward_hook(lambda m, a, o: seen.append(resident_layers(streamed)))
+        layer.register_forward_pre_hook(lambda m, a: loads.append(1))
     steps = calibration_steps(model, BUILTIN_PROMPTS[:4], 8, model=streamed)
-    got = calibrate(model, steps, 8, model=streamed)
     for a, b in zip(whole_steps, steps):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    loads.clear()
+    got = calibrate(model, prompt_batch(model, BUILTIN_PROMPTS[:4], 8), 8, model=streamed)
+    assert len(loads) == 2 * len(streamed.model.layers)  # two passes over the weights: prefill, denoise
     assert got.keys() == whole.keys() and len(got) > 0
     for k in whole:  # routed experts on row subsets: fp32 GEMM rounding of other shapes only
         assert got[k] == pytest.approx(whole[k], rel=1e-5, abs=0), k
     # our forward hook runs after the streaming hook: at most the layer itself was resident, nothing after
     assert seen and all(r == [] for r in seen)
     assert resident_layers(streamed) == []
+
+
+def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
+    """Per-expert checkpoint: layer i + 1 is read in a thread while layer i runs, into one of two buffers that
+    every layer reuses; the read-ahead gives the same calibration as reading each layer on entry."""
+    from clover_export.engines.calibration import BUILTIN_PROMPTS, prompt_batch
+    from clover_export.engines.fp8 import calibrate
+    from clover_export.engines.stream_calib import streamed_model
+
+    from clover_export.checkpoint import load_state_dict
+    from clover_export.config import load_config
+    from clover_export.tiny import write_model_folder
+
+    ckpt = write_model_folder(tmp_path / "per-expert", load_state_dict(model, load_config(model)),
+                              json.loads((model / "config.json").read_text()), per_expert=True)
+    assert any(".experts.0." in n for n in json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"])
+    batch = prompt_batch(ckpt, BUILTIN_PROMPTS[:2], 8)
+    plain = calibrate(ckpt, batch, 8, model=streamed_model(ckpt, 8, device="cpu", read_ahead=False))
+    streamed = streamed_model(ckpt, 8, device="cpu")
+    storages = set()
+    for layer in streamed.model.layers:
+        layer.register_forward_pre_hook(lambda m, a: storages.update(
+            p.untyped_storage().data_ptr() for n, p in m.named_parameters() if ".experts." in n))
+    assert calibrate(ckpt, batch, 8, model=streamed) == plain
+    assert len(storages) == 2 * 2  # gate_up and down, in two alternating buffers, for 4 layers x 2 steps
 
 
 def test_routed_moe_core_equals_the_dense_core():

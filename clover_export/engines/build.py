@@ -195,6 +195,32 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
 
     whole, why = validation_mode(cfg, opts)
     log(f"[validate] {'whole graphs' if whole else 'one-layer slices at full width'}: {why}")
+    writer = None
+    if opts.precision == "fp8" and not stages.done("fp8-weights", keys["fp8-weights"], out / "fp8-weights"):
+        from clover_export.engines.background import BackgroundWeights
+
+        writer = BackgroundWeights(model_dir, cfg, out / "fp8-weights")  # disk-bound: beside the CPU-bound stages
+        log("[quantize] fp8-weights: writing in the background (disk-bound) while the graphs are exported, "
+            "validated and calibrated")
+    try:
+        engine_graph = _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole,
+                                     export_stage, validate_stage, writer)
+    finally:
+        if writer is not None:
+            writer.stop()  # after a failure or Ctrl-C: nothing of it stays written; else it has finished
+            if writer.finished() is not None and not stages.done("fp8-weights", keys["fp8-weights"],
+                                                                  out / "fp8-weights"):
+                record_fp8_weights(stages, keys["fp8-weights"], writer.finished(), writer.seconds)
+    engine_stage(out, engine_graph, cfg, opts, max_context, base, stages, res, log)
+    log(f"[build] ran: {', '.join(res.ran) or 'nothing'}; reused: {', '.join(res.reused) or 'nothing'}"
+        + (f"; needs a GPU / TensorRT: engine ({'; '.join(res.skipped)})" if res.skipped else ""))
+    res.stages = stages.data["stages"]
+    return res
+
+
+def _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole, export_stage, validate_stage,
+                  writer) -> Path:
+    """Export and validate both graphs, then the FP8 stages; the graph the engine is built from."""
     fp32 = export_stage("fp32")
     if whole:
         validate_stage(fp32, ("fp32", *base))
@@ -207,15 +233,9 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         log("[validate onnx-bf16] structural checks (`check`) passed at export; not run whole: "
             "ONNX Runtime's CPU EP has no bf16 kernels and onnx.reference cannot run it at this size "
             "(the slices above ran the same traced code in fp32)")
-    engine_graph = bf16
     if opts.precision == "fp8":
-        engine_graph = fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole, res)
-
-    engine_stage(out, engine_graph, cfg, opts, max_context, base, stages, res, log)
-    log(f"[build] ran: {', '.join(res.ran) or 'nothing'}; reused: {', '.join(res.reused) or 'nothing'}"
-        + (f"; needs a GPU / TensorRT: engine ({'; '.join(res.skipped)})" if res.skipped else ""))
-    res.stages = stages.data["stages"]
-    return res
+        return fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole, res, writer)
+    return bf16
 
 
 def stage_keys(base: tuple, opts: BuildOptions) -> dict[str, str]:
@@ -282,11 +302,46 @@ def slice_stage(model_dir, out, cfg, opts, base, stages, res, log) -> None:
     res.ran.append(name)
 
 
-def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole, res) -> Path:
-    from clover_export.engines.calibration import HELDOUT_PROMPTS, agreement, calibration_steps, read_prompts
-    from clover_export.engines.fp8 import calibrate, quantize_graph
+def fp8_weights_stage(out, fp32, stages, log, keys, res, writer=None):
+    """The shared FP8 weight file: reused, taken from the background writer (`background.py`), or written here."""
     from clover_export.engines.fp8_weights import load_fp8_weights, quantize_weights
 
+    wfolder, wkey = out / "fp8-weights", keys["fp8-weights"]
+    if stages.done("fp8-weights", wkey, wfolder):
+        weights = load_fp8_weights(wfolder)
+        log(f"[quantize] reused {wfolder.name} ({weights.bytes_written / 2**30:.2f} GiB)")
+        res.reused.append("fp8-weights")
+        return weights
+    t = time.perf_counter()
+    if writer is not None:
+        weights = writer.result()
+        sec, how = writer.seconds, f"in the background beside the stages above (waited {time.perf_counter() - t:.1f} s)"
+    else:
+        from tqdm import tqdm
+
+        from clover_export.engines.fp8 import source_plans
+        from clover_export.exporter.artifact import load_artifact
+        from clover_export.sizing import fp8_weight_names
+
+        art = load_artifact(fp32)
+        weights = quantize_weights(source_plans(art), fp8_weight_names(art.config), wfolder,
+                                   progress=lambda it: tqdm(it, desc="quantise", unit="tensor", leave=False))
+        sec, how = time.perf_counter() - t, "here"
+    log(f"[quantize] {wfolder.name}: {len(weights.index)} tensors, {weights.bytes_written / 2**30:.2f} GiB "
+        f"written once in {sec:.1f} s ({weights.bytes_written / max(sec, 1e-9) / 2**20:.0f} MiB/s), {how}")
+    record_fp8_weights(stages, wkey, weights, sec)
+    res.ran.append("fp8-weights")
+    return weights
+
+
+def record_fp8_weights(stages, key: str, weights, sec: float) -> None:
+    stages.record("fp8-weights", key, {"tensors": len(weights.index), "bytes_written": weights.bytes_written,
+                                        "seconds": round(sec, 2)})
+
+
+def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole, res, writer=None) -> Path:
+    from clover_export.engines.calibration import HELDOUT_PROMPTS, agreement, prompt_batch, read_prompts
+    from clover_export.engines.fp8 import calibrate, quantize_graph
     prompts = read_prompts(opts.calib)
     calib_key = keys["calibrate"]
     if stages.done("calibrate", calib_key, None):
@@ -301,36 +356,14 @@ def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole,
         block_size = load_artifact(fp32).block_size
         model = streamed_model(model_dir, block_size)  # one layer's weights resident at a time
         try:
-            amax = calibrate(model_dir, calibration_steps(model_dir, prompts, block_size, model=model), block_size,
-                             model=model)
+            amax = calibrate(model_dir, prompt_batch(model_dir, prompts, block_size), block_size, model=model)
         finally:
             model.stream_progress.close()
         log(f"[calibrate] {len(prompts)} prompts, {len(amax)} activation ranges in {time.perf_counter() - t:.1f} s "
             f"(layer by layer on {next(iter(model.lm_head.parameters())).device})")
         stages.record("calibrate", calib_key, {"amax": amax, "prompts": len(prompts)})
         res.ran.append("calibrate")
-    wfolder, wkey = out / "fp8-weights", keys["fp8-weights"]
-    if stages.done("fp8-weights", wkey, wfolder):
-        weights = load_fp8_weights(wfolder)
-        log(f"[quantize] reused {wfolder.name} ({weights.bytes_written / 2**30:.2f} GiB)")
-        res.reused.append("fp8-weights")
-    else:
-        from tqdm import tqdm
-
-        from clover_export.engines.fp8 import source_plans
-        from clover_export.exporter.artifact import load_artifact
-        from clover_export.sizing import fp8_weight_names
-
-        t = time.perf_counter()
-        art = load_artifact(fp32)
-        weights = quantize_weights(source_plans(art), fp8_weight_names(art.config), wfolder,
-                                   progress=lambda it: tqdm(it, desc="quantise", unit="tensor", leave=False))
-        sec = time.perf_counter() - t
-        log(f"[quantize] {wfolder.name}: {len(weights.index)} tensors, {weights.bytes_written / 2**30:.2f} GiB "
-            f"written once in {sec:.1f} s ({weights.bytes_written / max(sec, 1e-9) / 2**20:.0f} MiB/s)")
-        stages.record("fp8-weights", wkey, {"tensors": len(weights.index), "bytes_written": weights.bytes_written,
-                                            "seconds": round(sec, 2)})
-        res.ran.append("fp8-weights")
+    weights = fp8_weights_stage(out, fp32, stages, log, keys, res, writer)
     for src, name in ((fp32, "onnx-fp8"), (bf16, "onnx-fp8-bf16")):
         key = keys[f"quantize-{name}"]
         if stages.done(f"quantize-{name}", key, out / name):
@@ -339,7 +372,7 @@ def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole,
             continue
         rep = quantize_graph(src, out / name, amax, force=True, weights=weights)  # the build's own folder
         log(f"[quantize] {name}: {rep.gemms} GEMMs with Q/DQ, {rep.expert_tensors} expert tensors e4m3, "
-            f"linked to {wfolder.name}/ ({rep.bytes_written} weight bytes written)")
+            f"linked to {weights.dir.name}/ ({rep.bytes_written} weight bytes written)")
         stages.record(f"quantize-{name}", key, {"gemms": rep.gemms, "experts": rep.expert_tensors})
         res.ran.append(f"quantize-{name}")
     key = _key("agreement", calib_key)

@@ -63,18 +63,22 @@ class PromptBatch:
                 names.HAS_BLOCK: np.ones(B, np.int32), names.SLOT_IDS: np.arange(B, dtype=np.int32),
                 names.PAST_LEN: np.zeros(B, np.int32)}
 
+    def pool_len(self) -> int:
+        """Cache rows the two steps need: the prefill's chunk and block, then the block again after the prompt."""
+        return max(map(len, self.ids)) + 2 * self.block_size
+
     def denoise_step(self, block_logits: np.ndarray) -> dict[str, np.ndarray]:
         """Block-only step with the more confident half of each block filled by its argmax."""
         B, N = len(self.ids), self.block_size
-        logits = block_logits.astype(np.float64)
-        logits[..., self.mask_id] = -np.inf
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        conf, tok = probs.max(-1), probs.argmax(-1)
         block = np.full((B, N), self.mask_id, np.int32)
-        for b in range(B):
-            keep = np.argsort(-conf[b], kind="stable")[: N // 2]
-            block[b, keep] = tok[b, keep]
+        for b in range(B):  # a row at a time: float64 probabilities of a 248k vocabulary are 64 MB a row
+            logits = block_logits[b].astype(np.float64)
+            logits[..., self.mask_id] = -np.inf
+            probs = np.exp(logits - logits.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            conf, tok = probs.max(-1), probs.argmax(-1)
+            keep = np.argsort(-conf, kind="stable")[: N // 2]
+            block[b, keep] = tok[keep]
         return {names.INPUT_IDS: block, names.N_CAUSAL: np.zeros(B, np.int32), names.HAS_BLOCK: np.ones(B, np.int32),
                 names.SLOT_IDS: np.arange(B, dtype=np.int32),
                 names.PAST_LEN: np.array([len(r) for r in self.ids], np.int32)}
@@ -92,7 +96,8 @@ def prompt_batch(model_dir: Path, prompts: list[str], block_size: int) -> Prompt
 
 def calibration_steps(model_dir: Path, prompts: list[str], block_size: int, model=None) -> list[dict[str, np.ndarray]]:
     """Prefill + one half-filled denoise step; the fill comes from the reference model's own argmax.
-    `model`: the reference model to use (default: loaded whole; `stream_calib.streamed_model` at full size)."""
+    `model`: the reference model to use (default: loaded whole; `stream_calib.streamed_model` at full size).
+    (`fp8.calibrate` plays a `prompt_batch` itself, in one pass fewer than playing these steps again.)"""
     import torch
 
     from clover_export.config import load_config
@@ -103,7 +108,7 @@ def calibration_steps(model_dir: Path, prompts: list[str], block_size: int, mode
     first = batch.prefill_step()
     if model is None:
         model = load_model(model_dir, torch.float32, block_size=block_size)
-    pools = allocate_pools(load_config(model_dir), len(prompts), first[names.INPUT_IDS].shape[1] + block_size)
+    pools = allocate_pools(load_config(model_dir), len(prompts), batch.pool_len())
     with torch.no_grad():
         logits, _, _ = model.step({k: torch.from_numpy(v) for k, v in first.items()}, pools)
     return [first, batch.denoise_step(logits.numpy())]

@@ -54,16 +54,18 @@ class Fp8Report:
 
 
 # --- calibration -------------------------------------------------------------
-def calibrate(model_dir: Path, steps: list[dict[str, np.ndarray]], block_size: int,
-              include_lm_head: bool = False, model=None) -> dict[str, float]:
+def calibrate(model_dir: Path, steps, block_size: int, include_lm_head: bool = False, model=None) -> dict[str, float]:
     """amax of the input of every FP8 GEMM (by weight name), over the reference model run on `steps`.
 
+    `steps`: step-graph feeds (names from `names.py`) played in order with the pools carried between
+    them, exactly as the runtime plays them; or a `calibration.PromptBatch`, played as its prefill and
+    then the denoise step that prefill's own logits fill (`calibration_steps` without playing the
+    prefill twice: one pass over the weights fewer, which at full size is a pass over 64 GiB).
     `model`: the reference model (default: loaded whole; at full size `stream_calib.streamed_model`,
     one layer's weights resident at a time).
-    `steps` are step-graph feeds (names from `names.py`) played in order with the
-    pools carried between them, exactly as the runtime plays them.
     """
     from clover_export.config import load_config
+    from clover_export.engines.calibration import PromptBatch
     from clover_export.model.model import allocate_pools
     from clover_export.models import load_model
 
@@ -78,14 +80,23 @@ def calibrate(model_dir: Path, steps: list[dict[str, np.ndarray]], block_size: i
             def hook(m, args, name=f"{mod_name}.weight"):
                 amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
             hooks.append(mod.register_forward_pre_hook(hook))
-    pools = None
+    batch = steps if isinstance(steps, PromptBatch) else None
+    if batch is not None:
+        first = batch.prefill_step()
+        steps, pool_len = [first], batch.pool_len()
+    else:
+        pool_len = step_pool_len(steps, block_size)
+    pools, played = None, 0
     try:
         with torch.no_grad():
-            for feeds in steps:
+            while played < len(steps):
+                feeds = steps[played]
                 if pools is None:
-                    pools = allocate_pools(cfg, int(feeds["slot_ids"].max()) + 1, step_pool_len(steps, block_size))
-                out = model.step({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}, pools)
-                pools = out[2]
+                    pools = allocate_pools(cfg, int(feeds["slot_ids"].max()) + 1, pool_len)
+                logits, _, pools = model.step({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}, pools)
+                played += 1
+                if batch is not None and played == 1:
+                    steps.append(batch.denoise_step(logits.numpy()))
     finally:
         for h in hooks:
             h.remove()

@@ -5,7 +5,9 @@ its memory-mapped shards -- one tensor at a time, one expert at a time for
 the [E, out, in] expert tensors (fused or per-expert layout) -- and appends
 the e4m3 bytes and fp32 per-output-channel scales to one file, `fp8.bin`,
 with an index `fp8.json`. Both FP8 graphs of a build (fp32 and bf16
-activations) link that one file: the FP8 weights are written once.
+activations) link that one file: the FP8 weights are written once. The file
+is written past the page cache (`direct_io.DirectWriter`): `build` writes it
+in a thread beside its CPU-bound stages (`background.py`).
 Memory stays bounded by one expert's (or one 2-D tensor's) fp32 copy.
 All-zero data takes a fast path with the same result as the general one:
 q = 0, scale 1 (`quantize.weight_scales`); a hole of a sparse file (a test
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from clover_export.checkpoint import TensorLocation, TensorPlan
+from clover_export.direct_io import DirectWriter
 from clover_export.engines.quantize import quantize_weight
 
 FP8_BIN = "fp8.bin"
@@ -107,51 +110,63 @@ def _pieces(plan: TensorPlan):
         yield piece_shape, _read(loc)
 
 
+class Cancelled(Exception):
+    """`quantize_weights` stopped by its `cancel` event (the build it ran beside failed or was interrupted)."""
+
+
 def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path,
-                     progress: Callable | None = None) -> Fp8Weights:
-    """Quantise `targets` (names of `plans`) into OUT/fp8.bin + fp8.json, atomically (module docstring)."""
+                     progress: Callable | None = None, cancel=None) -> Fp8Weights:
+    """Quantise `targets` (names of `plans`) into OUT/fp8.bin + fp8.json, atomically (module docstring).
+    `cancel`: a `threading.Event` checked before each tensor; when set, nothing is left written."""
     from clover_export.atomic import replace_dir
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     index: dict[str, dict] = {}
+    f = None
     try:
-        with open(tmp / FP8_BIN, "wb") as f:
-            def put(raw: bytes) -> int:
-                f.write(b"\0" * ((-f.tell()) % ALIGN))
-                at = f.tell()
-                f.write(raw)
-                return at
+        f = DirectWriter(tmp / FP8_BIN)  # past the page cache: it is written beside CPU-bound stages (direct_io)
 
-            it = progress(targets) if progress else targets
-            for name in it:
-                plan = plans[name]
-                start, scales = None, []
-                for shape, piece in _pieces(plan):
-                    if piece is None or not piece.any():  # all zero: q = 0 and scale 1 (quantize.weight_scales)
-                        raw, s = bytes(math.prod(shape)), torch.ones(shape[:-1])
-                    else:
-                        q, s = quantize_weight(piece)
-                        raw = q.view(torch.uint8).numpy().tobytes()
-                    at = put(raw) if start is None else _append(f, raw)
-                    start = at if start is None else start
-                    scales.append(s.float())
-                scale = torch.stack(scales) if len(plan.shape) == 3 else scales[0]
-                raw = scale.numpy().astype(np.float32).tobytes()
-                index[name] = {"shape": list(plan.shape), "fp8": [start, math.prod(plan.shape)],
-                               "scale": [put(raw), len(raw), list(scale.shape)]}
-            written = f.tell()
+        def put(raw) -> int:
+            f.zeros(-f.tell() % ALIGN)
+            at = f.tell()
+            write(raw)
+            return at
+
+        def write(raw) -> None:
+            if isinstance(raw, int):  # that many zero bytes
+                f.zeros(raw)
+            else:
+                f.write(raw)
+
+        it = progress(targets) if progress else targets
+        for name in it:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(name)
+            plan = plans[name]
+            start, scales = None, []
+            for shape, piece in _pieces(plan):
+                if piece is None or not piece.any():  # all zero: q = 0 and scale 1 (quantize.weight_scales)
+                    raw, s = math.prod(shape), torch.ones(shape[:-1])
+                else:
+                    q, s = quantize_weight(piece)
+                    raw = q.view(torch.uint8).numpy()
+                if start is None:
+                    start = put(raw)
+                else:  # the next expert right after the previous one (one contiguous [E, out, in] tensor)
+                    write(raw)
+                scales.append(s.float())
+            scale = torch.stack(scales) if len(plan.shape) == 3 else scales[0]
+            raw = scale.numpy().astype(np.float32)
+            index[name] = {"shape": list(plan.shape), "fp8": [start, math.prod(plan.shape)],
+                           "scale": [put(raw), raw.nbytes, list(scale.shape)]}
+        written = f.close()
         (tmp / FP8_INDEX).write_text(json.dumps({"tensors": index, "bytes_written": written}))
         replace_dir(tmp, out)
     except BaseException:
+        if f is not None:
+            f.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Fp8Weights(out, index, written)
-
-
-def _append(f, raw: bytes) -> int:
-    """Next expert right after the previous one (one contiguous [E, out, in] tensor)."""
-    at = f.tell()
-    f.write(raw)
-    return at

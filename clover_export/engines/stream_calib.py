@@ -1,14 +1,16 @@
-"""The reference model run one decoder layer at a time over memory-mapped weights (issue 11).
+"""The reference model run one decoder layer at a time, its weights streamed from the checkpoint (issue 11).
 
 FP8 calibration of the 35B model cannot hold the whole reference model in
 memory (~130 GB in fp32). `streamed_model` builds the usual `CloverModel`
 on the meta device and gives each decoder layer a pre-forward hook that
-reads its weights from the checkpoint's shards (memory-mapped, converted
-to the model dtype, moved to the device) and a forward hook that drops them
-again: one layer's weights are resident at a time, next to the embedding,
-final norm and lm_head. The model's own `step` runs unchanged (but for the
-MoE core, below), so calibration hooks on its Linear modules see what the
-whole model would show them (tests/test_build_fullsize.py compares the two).
+loads its weights (read past the page cache, `direct_io`; converted to the
+model dtype but for routed experts, kept as stored; moved to the device) and
+a forward hook that drops them again: one layer's weights are in use at a
+time, the next layer's are being read in a thread, next to the embedding
+(kept as stored, rows cast on lookup), final norm and lm_head. The model's
+own `step` runs unchanged (but for the MoE core, below), so calibration
+hooks on its Linear modules see what the whole model would show them
+(tests/test_build_fullsize.py compares the two).
 
 The reference `moe_core` is dense over experts (no data-dependent control
 flow, as the graph needs): 256 experts x every row is ~1.6 GFLOP per token
@@ -19,12 +21,15 @@ sum in the same expert order; the dense core adds exact zeros elsewhere.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from clover_export.checkpoint import TensorReader, locate_tensors, plan_tensors
+from clover_export.checkpoint import TORCH_DTYPES, locate_tensors, plan_tensors
+from clover_export.direct_io import DirectReader
+from clover_export.names import EMBED
 
 
 class _Progress:
@@ -72,17 +77,95 @@ def routed_moe_core(x, router_w, gate_up, down, top_k: int, top_p: float, corese
     return out.reshape(B, T, D), distinct
 
 
+def keeps_stored(name: str, stored: torch.dtype, dtype: torch.dtype) -> bool:
+    """Routed experts stored narrower than the reference model's dtype stay as stored (bf16: 1.6 GiB a layer at
+    full size, not 3.2 in fp32): `routed_moe_core` casts one expert at a time, exactly."""
+    return ".mlp.experts." in name and stored.itemsize < dtype.itemsize
+
+
 def reference_weight(name: str, t: torch.Tensor, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """A checkpoint tensor for a reference model run with `routed_moe_core`, in `dtype` -- except routed experts
-    stored narrower, which stay as stored (bf16: 1.6 GiB a layer at full size, not 3.2 in fp32): the routed
-    core casts one expert at a time, exactly."""
-    if ".mlp.experts." in name and t.dtype.itemsize < dtype.itemsize:
+    """A checkpoint tensor for a reference model run with `routed_moe_core`: in `dtype`, but for `keeps_stored`."""
+    if keeps_stored(name, t.dtype, dtype):
         return t.to(device=device)
     return t.to(device=device, dtype=dtype)
 
 
+class _LayerLoader:
+    """Decoder layers' weights, read from the checkpoint one layer at a time, the next layer read ahead in a
+    thread while the current one runs (reading 1.6 GiB of experts is as long as running them on this CPU).
+
+    Reads go past the page cache (`direct_io`: a pass over 64 GiB of experts gains nothing from it on a
+    24 GB machine). Routed experts land in two reused buffers (the layer running, the layer being read),
+    fused from per-expert checkpoints, so no layer allocates afresh."""
+
+    def __init__(self, plans: dict, model: torch.nn.Module, dtype: torch.dtype, device: str, direct: bool = True):
+        self.plans, self.dtype, self.device = plans, dtype, device
+        self.layers = model.model.layers
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.reader = DirectReader(direct)
+        self.slot = 0
+        self.ahead: tuple[int, threading.Thread, dict] | None = None
+
+    def state(self, prefix: str, module: torch.nn.Module, slot: int = 0) -> dict[str, torch.Tensor]:
+        """The module's weights for the reference model: read in file order past the page cache, cast to the
+        model dtype but for routed experts kept as stored (`keeps_stored`), which land in the buffers of `slot`."""
+        out, dest = {}, {}
+        for name, p in module.named_parameters():
+            full = prefix + name
+            plan = self.plans.get(full)
+            if plan is None:  # opted-in Qwen: zero-filled
+                out[name] = reference_weight(full, torch.zeros(p.shape), self.dtype, self.device)
+                continue
+            stored = TORCH_DTYPES[plan.parts[0][0].dtype]
+            if ".mlp.experts." in full:  # fused into the slot's reused buffer, as stored
+                key = (slot, name, plan.shape, stored)
+                if key not in self.buffers:
+                    self.buffers[key] = torch.empty(plan.shape, dtype=stored)
+                buf = out[name] = self.buffers[key]
+                for e, grp in enumerate(plan.parts):
+                    row = 0
+                    for loc in grp:
+                        dest[loc] = buf if plan.fused else buf[e, row:row + loc.shape[0]]
+                        row += loc.shape[0]
+            else:  # cast into a tensor of its own (the embedding table: kept as stored, `streamed_model`)
+                dtype = stored if full == EMBED else self.dtype
+                dest[plan.parts[0][0]] = out[name] = torch.empty(plan.shape, dtype=dtype)
+        for loc, first, piece in self.reader.read(dest):  # `piece`: a view into the reader's staging buffer
+            dest[loc].view(-1)[first:first + piece.numel()].copy_(piece)
+        return {n: t.to(self.device) if prefix + n == EMBED else reference_weight(prefix + n, t, self.dtype, self.device)
+                for n, t in out.items()}
+
+    def _read(self, i: int, slot: int, box: dict) -> None:
+        try:
+            box["state"] = self.state(f"model.layers.{i}.", self.layers[i], slot)
+        except BaseException as e:  # handed to the thread that uses the layer
+            box["error"] = e
+
+    def load(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's state (waiting for the read-ahead when it is this layer); starts reading layer i + 1."""
+        if self.ahead is not None and self.ahead[0] == i:
+            _, thread, box = self.ahead
+            thread.join()
+        else:
+            if self.ahead is not None:  # read ahead for a layer not run next: let it finish, use nothing of it
+                self.ahead[1].join()
+            self.slot ^= 1
+            box = {}
+            self._read(i, self.slot, box)
+        self.ahead = None
+        if "error" in box:
+            raise box["error"]
+        if i + 1 < len(self.layers):  # not across steps: the next step may never come
+            self.slot ^= 1
+            nxt: dict = {}
+            thread = threading.Thread(target=self._read, args=(i + 1, self.slot, nxt), daemon=True)
+            thread.start()
+            self.ahead = (i + 1, thread, nxt)
+        return box["state"]
+
+
 def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.dtype = torch.float32,
-                   device: str | None = None, desc: str = "calibrate"):
+                   device: str | None = None, desc: str = "calibrate", read_ahead: bool = True):
     """A `CloverModel` whose decoder layers load their weights on entry and drop them on exit."""
     from dataclasses import replace
 
@@ -93,28 +176,21 @@ def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = load_config(model_dir)
     plans = plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=True)
-    reader = TensorReader()
     model = build_model(cfg, dtype, device="meta", block_size=block_size)
-
-    def state(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in module.named_parameters():
-            full = prefix + name
-            t = reader.read(plans[full]) if full in plans else torch.zeros(p.shape)  # opted-in Qwen: zero-filled
-            out[name] = reference_weight(full, t, dtype, device)
-        return out
+    loader = _LayerLoader(plans, model, dtype, device)
 
     for prefix, module in (("model.embed_tokens.", model.model.embed_tokens), ("model.norm.", model.model.norm),
                            ("lm_head.", model.lm_head)):
-        module.load_state_dict(state(prefix, module), strict=True, assign=True)
-    reader.close()
+        module.load_state_dict(loader.state(prefix, module), strict=True, assign=True)
+    # the table stays as stored (bf16: 1 GiB, not 2): its rows are cast on lookup, exactly
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: out.to(dtype))
     progress = _Progress(len(model.model.layers), desc)
-    model.stream_progress = progress
+    model.stream_progress, model.stream_loader = progress, loader
 
     for i, layer in enumerate(model.model.layers):
-        def load(mod, args, prefix=f"model.layers.{i}."):
-            mod.load_state_dict(state(prefix, mod), strict=True, assign=True)
-            reader.close()  # the layer's tensors are copies: its shard pages need not stay mapped
+        def load(mod, args, i=i):
+            state = loader.load(i) if read_ahead else loader.state(f"model.layers.{i}.", mod, slot=0)
+            mod.load_state_dict(state, strict=True, assign=True)
 
         def drop(mod, args, output):
             mod.to("meta")

@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clover_export import names
 from clover_export.checkpoint import TensorPlan, TensorReader, locate_tensors, plan_tensors
 from clover_export.config import CloverConfig, config_from_dict
 
 KINDS = ("linear_attention", "full_attention")
-HEAD = "lm_head.weight"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -189,9 +189,9 @@ def _fed_weights(plans: dict[str, TensorPlan]) -> dict[str, _Fed]:
     from clover_export.exporter.weights import stored_name
 
     reader, out = TensorReader(), {}
-    head = plans.get(HEAD)
+    head = plans.get(names.LM_HEAD)
     if head is not None and head.parts[0][0].dtype != "F32":  # the fp32 graph casts it
-        out[HEAD] = _Fed(HEAD, reader.read(head).float(), TensorProto.FLOAT)
+        out[names.LM_HEAD] = _Fed(names.LM_HEAD, reader.read(head).float(), TensorProto.FLOAT)
     for name, plan in plans.items():
         if ".mlp.experts." in name and not plan.fused and {loc.dtype for g in plan.parts for loc in g} == {"BF16"}:
             out[stored_name(name, "BF16")] = _Fed(name, reader.read(plan), TensorProto.BFLOAT16)

@@ -60,7 +60,7 @@ def flops_per_row(cfg: CloverConfig) -> float:
     total = 0.0
     for name, shape in names.expected_tensors(cfg).items():
         n = math.prod(shape)
-        if name == "model.embed_tokens.weight":
+        if name == names.EMBED:
             continue
         if ".mlp.experts." in name:
             n *= cfg.num_experts_per_tok / cfg.num_experts

@@ -1,0 +1,153 @@
+"""Reads past the page cache (`direct_io`): the same tensors as safetensors' own reader, in runs and pieces."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from clover_export import direct_io
+from clover_export.checkpoint import TensorReader, locate_tensors, plan_tensors, save_checkpoint
+from clover_export.direct_io import DirectReader, DirectWriter
+from clover_export.errors import CloverError
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Two shards of tensors of odd sizes and mixed dtypes (offsets not 4 KiB aligned)."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i:02d}": torch.randn(n, generator=g).to(dt)
+             for i, (n, dt) in enumerate([(7, torch.float32), (3000, torch.bfloat16), (1, torch.float16),
+                                          (70_000, torch.bfloat16), (5, torch.float32), (123_457, torch.bfloat16),
+                                          (2049, torch.float32), (9, torch.bfloat16)])}
+    folder = save_checkpoint(state, tmp_path_factory.mktemp("direct") / "ckpt", max_shard_bytes=300_000)
+    return state, locate_tensors_raw(folder)
+
+
+def locate_tensors_raw(folder):
+    from clover_export.checkpoint import read_header, shard_files
+
+    return {n: loc for f in shard_files(folder) for n, loc in read_header(f).items()}
+
+
+def collect(reader: DirectReader, locs) -> dict[str, torch.Tensor]:
+    out = {}
+    for loc, first, piece in reader.read(locs):
+        t = out.setdefault(loc.stored_name, torch.full((math.prod(loc.shape),), float("nan"), dtype=piece.dtype))
+        t[first:first + piece.numel()] = piece  # copied now: the piece is a view into the staging buffer
+    return {loc.stored_name: out[loc.stored_name].reshape(loc.shape) for loc in locs}
+
+
+def o_direct_works(path) -> bool:
+    """Probe: an aligned O_DIRECT read of the file's first block."""
+    import mmap
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+    try:
+        return os.preadv(fd, [mmap.mmap(-1, direct_io.BLOCK)], 0) > 0
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("run_bytes", [direct_io.RUN_BYTES, 4096, 1000])
+def test_same_tensors_as_safetensors(shards, direct, run_bytes, monkeypatch):
+    """Every tensor, bit for bit, whether runs hold many tensors or a tensor comes in many pieces."""
+    monkeypatch.setattr(direct_io, "RUN_BYTES", run_bytes)
+    monkeypatch.setattr(direct_io, "MAX_GAP", 0 if run_bytes < 4096 else direct_io.MAX_GAP)
+    state, locs = shards
+    assert len({loc.file for loc in locs.values()}) == 2
+    assert any(loc.offset % direct_io.BLOCK for loc in locs.values())
+    reader = DirectReader(direct=direct)
+    got = collect(reader, list(locs.values()))
+    assert got.keys() == state.keys()
+    for name, want in state.items():
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    if not direct:
+        assert reader.used_direct == {False}
+    else:  # O_DIRECT where the file system has it, the page cache otherwise
+        assert reader.used_direct == {o_direct_works(next(iter(locs.values())).file)}
+    assert reader._buf is None or len(reader._buf) <= max(run_bytes, 4096) + 3 * direct_io.BLOCK
+
+
+def test_runs_cut_large_tensors_into_pieces(shards, monkeypatch):
+    monkeypatch.setattr(direct_io, "RUN_BYTES", 4096)
+    _, locs = shards
+    big = max(locs.values(), key=lambda l: l.length)
+    runs = direct_io._runs(sorted((l for l in locs.values() if l.file == big.file), key=lambda l: l.offset))
+    pieces = [r[0] for r in runs if r[0][0] == big]
+    assert len(pieces) == -(-big.length // 4096) and all(n <= 4096 for _, _, n in pieces)
+    assert [f for _, f, _ in pieces] == list(range(0, big.length, 4096))
+
+
+def test_truncated_shard_names_the_file(shards, tmp_path):
+    _, locs = shards
+    loc = max(locs.values(), key=lambda l: l.offset + l.length)
+    cut = tmp_path / loc.file.name
+    cut.write_bytes(loc.file.read_bytes()[:loc.offset + loc.length // 2])
+    from dataclasses import replace
+
+    with pytest.raises(CloverError, match=str(cut)):
+        list(DirectReader().read([replace(loc, file=cut)]))
+
+
+def test_streamed_reads_equal_memory_mapped_reads(tmp_path):
+    """A per-expert checkpoint: the streamed model's layer state equals TensorReader's (safetensors) tensors."""
+    import json
+
+    from clover_export.config import load_config
+    from clover_export.engines.stream_calib import streamed_model
+    from clover_export.tiny import generate_random_tiny, write_model_folder
+    from clover_export.checkpoint import load_state_dict
+
+    fused = generate_random_tiny(tmp_path / "fused", seed=3, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "full_attention"])
+    cfg = load_config(fused)
+    per = write_model_folder(tmp_path / "per", load_state_dict(fused, cfg),
+                             json.loads((fused / "config.json").read_text()), per_expert=True)
+    for folder in (fused, per):
+        plans = plan_tensors(cfg, locate_tensors(folder))
+        model = streamed_model(folder, 8, device="cpu")
+        loader = model.stream_loader
+        reader = TensorReader()
+        for i, layer in enumerate(model.model.layers):
+            got = loader.state(f"model.layers.{i}.", layer)
+            for name, t in got.items():
+                want = reader.read(plans[f"model.layers.{i}.{name}"])
+                assert torch.equal(t, want.to(t.dtype)), (folder.name, name)
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # kept as stored, cast on lookup
+        ids = torch.tensor([[1, 2, 3]])
+        table = reader.read(plans["model.embed_tokens.weight"])
+        assert torch.equal(model.model.embed_tokens(ids), table[ids].float())
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_writer_writes_exactly_the_bytes_appended(tmp_path, direct, monkeypatch):
+    """Pieces of odd sizes, zero runs, pieces larger than a chunk: the file is their concatenation, to the byte."""
+    monkeypatch.setattr(DirectWriter, "CHUNK", 3 * direct_io.BLOCK)
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy() if kind == "data" else n
+             for kind, n in [("data", 5), ("zeros", 4091), ("data", 3 * 4096 + 7), ("zeros", 9000), ("data", 1),
+                             ("data", 20_000), ("zeros", 3)]]
+    path = tmp_path / "out.bin"
+    w = DirectWriter(path, direct=direct)
+    want = bytearray()
+    for p in parts:
+        assert w.tell() == len(want)
+        if isinstance(p, int):
+            w.zeros(p)
+            want += bytes(p)
+        else:
+            w.write(p)
+            want += p.tobytes()
+    assert w.close() == len(want)
+    assert path.read_bytes() == bytes(want)
+    assert w.direct == (direct and o_direct_works(path))
+    w.abort()  # after close: nothing
