@@ -33,7 +33,8 @@ def fp8_weight_names(cfg: CloverConfig, include_lm_head: bool = False) -> list[s
     for n, s in names.expected_tensors(cfg, clover=cfg.is_clover).items():
         if n == names.EMBED or (n == names.LM_HEAD and not include_lm_head):
             continue
-        if n.endswith(("experts.gate_up_proj", "experts.down_proj")) or (len(s) == 2 and n.endswith("proj.weight")):
+        if n == names.LM_HEAD or n.endswith(("experts.gate_up_proj", "experts.down_proj")) or (
+                len(s) == 2 and n.endswith("proj.weight")):
             out.append(n)
     return out
 

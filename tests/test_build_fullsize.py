@@ -227,8 +227,19 @@ def test_layer_streamed_calibration_equals_whole_model_calibration(model):
     for a, b in zip(whole_steps, steps):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     loads.clear()
+    heads = []
+    streamed.lm_head.register_forward_hook(lambda m, a, o: heads.append(1))
     got = calibrate(model, prompt_batch(model, BUILTIN_PROMPTS[:4], 8), 8, model=streamed)
     assert len(loads) == 2 * len(streamed.model.layers)  # two passes over the weights: prefill, denoise
+    assert len(heads) == 1 and "logits" not in vars(streamed)  # the denoise step's logits are not computed
+    # ... unless the lm_head is quantised too: then both steps' inputs to it count
+    from clover_export.models import load_model
+
+    whole_model, seen_head = load_model(model, torch.float32, block_size=8), []
+    whole_model.lm_head.register_forward_pre_hook(lambda m, a: seen_head.append(float(a[0].abs().max())))
+    with_head = calibrate(model, prompt_batch(model, BUILTIN_PROMPTS[:4], 8), 8, include_lm_head=True,
+                          model=whole_model)
+    assert len(seen_head) == 2 and with_head["lm_head.weight"] == max(seen_head)
     assert got.keys() == whole.keys() and len(got) > 0
     for k in whole:  # routed experts on row subsets: fp32 GEMM rounding of other shapes only
         assert got[k] == pytest.approx(whole[k], rel=1e-5, abs=0), k

@@ -309,3 +309,18 @@ def test_activation_scales_are_amax_over_448_of_the_fp32_graphs_own_activations(
         got = float(numpy_helper.to_array(inits[f"{x}.act_scale"]))
         assert got == pytest.approx(amax[x] / 448.0, rel=1e-4), (x, got, amax[x] / 448.0)
         assert report.activations[x] == pytest.approx(got, rel=1e-6)
+
+
+def test_lm_head_quantised_on_request(random_fp8, tmp_path):
+    """include_lm_head: the lm_head becomes e4m3 + scales with its input's calibrated scale; `check` passes.
+    (It was silently left out before: the lm_head's name does not end in "proj.weight".)"""
+    model, fp32_dir, _, _ = random_fp8
+    block = load_artifact(fp32_dir).block_size
+    amax = fp8.calibrate(model, calibration.prompt_batch(model, calibration.BUILTIN_PROMPTS[:4], block), block,
+                         include_lm_head=True)
+    assert "lm_head.weight" in amax
+    report = fp8.quantize_graph(fp32_dir, tmp_path / "fp8-head", amax, include_lm_head=True)
+    proto = onnx.load(str(tmp_path / "fp8-head" / "model.onnx"), load_external_data=False)
+    inits = {i.name: i for i in proto.graph.initializer}
+    assert inits["lm_head.weight.fp8"].data_type == TensorProto.FLOAT8E4M3FN and "lm_head.weight.scale" in inits
+    assert report.include_lm_head and not check_folder(tmp_path / "fp8-head").failures
