@@ -101,11 +101,12 @@ class DirectReader:
                         yield from self._pieces(fd, direct, path, run)
                     except _NoDirect:
                         os.close(fd)
-                        self.direct = False
+                        fd, self.direct = -1, False
                         fd, direct = self._open(path)
                         yield from self._pieces(fd, direct, path, run)
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
 
     def _pieces(self, fd, direct, path, run):
         """A run of whole tensors, or one piece of a large tensor (`_runs`)."""
@@ -113,12 +114,14 @@ class DirectReader:
         start = loc.offset + first
         last, f, n = run[-1]
         end = last.offset + f + n
-        buf, base = self._read_run(fd, direct, path, start, end)
+        buf, base = self._read_run(fd, direct, path, start, end) if end > start else (None, 0)
         self.used_direct.add(direct)
         for loc, first, nbytes in run:
             dtype = TORCH_DTYPES[loc.dtype]
             at = base + loc.offset + first - start
-            if at % dtype.itemsize:  # a misaligned tensor (not seen in safetensors files): a copy of its bytes
+            if nbytes == 0:  # frombuffer refuses an empty view
+                piece = torch.empty(0, dtype=dtype)
+            elif at % dtype.itemsize:  # a misaligned tensor (not seen in safetensors files): a copy of its bytes
                 piece = torch.frombuffer(bytearray(buf[at:at + nbytes]), dtype=torch.uint8).view(dtype)
             else:
                 piece = torch.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=at)
@@ -189,19 +192,20 @@ class DirectWriter:
                 self._flush(self.CHUNK)
 
     def _flush(self, nbytes: int) -> None:
-        mv, done = memoryview(self.buf), 0
-        while done < nbytes:
-            try:
-                done += os.write(self.fd, mv[done:nbytes])
-            except OSError as e:
-                if self.direct and e.errno == 22:  # EINVAL: O_DIRECT refused at write time: the page cache
-                    os.close(self.fd)
-                    self.direct = False
-                    self.fd = os.open(self.path, os.O_WRONLY)
-                    os.lseek(self.fd, self.flushed + done, os.SEEK_SET)
-                    continue
-                raise CloverError("write", f"{self.path}: write failed at byte {self.flushed + done} "
-                                  f"({e.strerror})") from None
+        done = 0
+        with memoryview(self.buf) as mv:  # released before any error leaves: `abort` can then unmap the buffer
+            while done < nbytes:
+                try:
+                    done += os.write(self.fd, mv[done:nbytes])
+                except OSError as e:
+                    if self.direct and e.errno == 22:  # EINVAL: O_DIRECT refused at write time: the page cache
+                        os.close(self.fd)
+                        self.direct = False
+                        self.fd = os.open(self.path, os.O_WRONLY)
+                        os.lseek(self.fd, self.flushed + done, os.SEEK_SET)
+                        continue
+                    raise CloverError("write", f"{self.path}: write failed at byte {self.flushed + done} "
+                                      f"({e.strerror})") from None
         self.flushed += nbytes
         self.fill = 0
 
@@ -221,8 +225,11 @@ class DirectWriter:
         """Close without finishing (the caller removes the file); again after `close`: nothing."""
         if self.fd is not None:
             fd, self.fd = self.fd, None
-            self.buf.close()
             os.close(fd)
+            try:
+                self.buf.close()
+            except BufferError:  # a view still held somewhere: unmapped when it goes
+                pass
 
 
 _ZEROS = memoryview(bytes(DirectWriter.CHUNK))  # sliced without copying

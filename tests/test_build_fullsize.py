@@ -118,10 +118,13 @@ def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model
 
     monkeypatch.setattr(fp8_weights, "quantize_weight", real_q)
     monkeypatch.setattr(fp8, "calibrate", fails_after_the_writer)
+    (out / ".fp8-weights.killed").mkdir()  # as a writer killed outright (SIGKILL) leaves its temp folder
+    (out / ".fp8-weights.killed" / fp8_weights.FP8_BIN).write_bytes(b"partial")
     with pytest.raises(RuntimeError, match="calibration failed"):
         B.build(model, out, B.BuildOptions(**OPTS), log=logs[1].append)
     assert "fp8-weights" in json.loads((out / "build.json").read_text())["stages"]
     assert (out / "fp8-weights" / fp8_weights.FP8_BIN).exists()
+    assert not (out / ".fp8-weights.killed").exists()
     monkeypatch.setattr(fp8, "calibrate", real_cal)
     assert B.build(model, out, B.BuildOptions(**OPTS), log=logs[0].append).reused[-1:] != []
     assert "fp8-weights" in B.Stages(out).data["stages"] and "[quantize] reused fp8-weights" in "\n".join(logs[0])

@@ -151,3 +151,33 @@ def test_writer_writes_exactly_the_bytes_appended(tmp_path, direct, monkeypatch)
     assert path.read_bytes() == bytes(want)
     assert w.direct == (direct and o_direct_works(path))
     w.abort()  # after close: nothing
+
+
+def test_write_failure_surfaces_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk mid-file: the error names the file and says why, and quantize_weights leaves no temp folder."""
+    import errno
+
+    from clover_export.checkpoint import TensorLocation, TensorPlan
+    from clover_export.engines import fp8_weights
+
+    state = {"w": torch.randn(64, 32).to(torch.bfloat16)}
+    folder = save_checkpoint(state, tmp_path / "ckpt")
+    loc = locate_tensors_raw(folder)["w"]
+    plans = {"w": TensorPlan("w", (64, 32), ((loc,),), fused=True)}
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(direct_io.os, "write", full)
+    with pytest.raises(CloverError, match="No space left on device") as err:
+        fp8_weights.quantize_weights(plans, ["w"], tmp_path / "out" / "fp8-weights")
+    assert "fp8.bin" in str(err.value)
+    assert list((tmp_path / "out").iterdir()) == []  # no temp folder, no half-written file
+
+
+def test_zero_length_tensor(tmp_path):
+    state = {"a": torch.ones(3, dtype=torch.bfloat16), "empty": torch.ones(0, dtype=torch.float32),
+             "b": torch.full((5,), 2.0)}
+    locs = locate_tensors_raw(save_checkpoint(state, tmp_path / "ckpt"))
+    got = collect(DirectReader(), list(locs.values()))
+    assert all(torch.equal(got[n], t) for n, t in state.items())

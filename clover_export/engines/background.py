@@ -51,6 +51,12 @@ class BackgroundWeights:
         return None if self._thread.is_alive() else self._box.get("weights")
 
     def stop(self) -> None:
-        """Stop the writer if it is still running (nothing of it stays written) and wait for it."""
+        """Stop the writer if it is still running (nothing of it stays written) and wait for it: one piece
+        (an expert) at most. A second Ctrl-C does not cut that wait short, or the writer's temporary
+        folder would be left behind."""
         self.cancel.set()
-        self._thread.join()
+        while self._thread.is_alive():
+            try:
+                self._thread.join()
+            except KeyboardInterrupt:
+                continue

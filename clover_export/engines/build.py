@@ -197,8 +197,12 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
     log(f"[validate] {'whole graphs' if whole else 'one-layer slices at full width'}: {why}")
     writer = None
     if opts.precision == "fp8" and not stages.done("fp8-weights", keys["fp8-weights"], out / "fp8-weights"):
+        import shutil
+
         from clover_export.engines.background import BackgroundWeights
 
+        for stale in out.glob(".fp8-weights.*"):  # a writer killed outright (SIGKILL, power): its temporary folder
+            shutil.rmtree(stale, ignore_errors=True)
         writer = BackgroundWeights(model_dir, cfg, out / "fp8-weights")  # disk-bound: beside the CPU-bound stages
         log("[quantize] fp8-weights: writing in the background (disk-bound) while the graphs are exported, "
             "validated and calibrated")

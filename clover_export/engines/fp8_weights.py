@@ -147,6 +147,8 @@ def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path
             plan = plans[name]
             start, scales = None, []
             for shape, piece in _pieces(plan):
+                if cancel is not None and cancel.is_set():  # also between experts: a stop waits for one piece
+                    raise Cancelled(name)
                 if piece is None or not piece.any():  # all zero: q = 0 and scale 1 (quantize.weight_scales)
                     raw, s = math.prod(shape), torch.ones(shape[:-1])
                 else:
@@ -165,8 +167,10 @@ def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path
         (tmp / FP8_INDEX).write_text(json.dumps({"tensors": index, "bytes_written": written}))
         replace_dir(tmp, out)
     except BaseException:
-        if f is not None:
-            f.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if f is not None:
+                f.abort()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Fp8Weights(out, index, written)
