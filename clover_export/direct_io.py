@@ -47,15 +47,12 @@ class DirectReader:
     def __init__(self, direct: bool = True):
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._buf: mmap.mmap | None = None
-        self.used_direct: set[bool] = set()  # which path each file was read through (tests and logs)
+        self.used_direct: set[bool] = set()  # which path the files were read through (tests)
 
     def _staging(self, nbytes: int) -> mmap.mmap:
         if self._buf is None or len(self._buf) < nbytes:  # the old one is unmapped once no view holds it
             self._buf = mmap.mmap(-1, -(-nbytes // BLOCK) * BLOCK)  # anonymous: page-aligned
         return self._buf
-
-    def close(self) -> None:
-        self._buf = None
 
     def _open(self, path) -> tuple[int, bool]:
         if self.direct:

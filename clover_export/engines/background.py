@@ -6,7 +6,8 @@ busy: run one under the other. The writer depends on the checkpoint alone,
 so it starts with the build; the FP8 stages wait for it. Its stage is
 recorded by the build's own thread (`Stages` is not shared across threads).
 If the build fails or is interrupted first, the writer is told to stop
-before its next tensor and leaves nothing written (`quantize_weights`).
+before its next piece (tensor or expert) and leaves nothing written
+(`quantize_weights`).
 """
 
 from __future__ import annotations

@@ -212,9 +212,9 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
     finally:
         if writer is not None:
             writer.stop()  # after a failure or Ctrl-C: nothing of it stays written; else it has finished
-            if writer.finished() is not None and not stages.done("fp8-weights", keys["fp8-weights"],
-                                                                  out / "fp8-weights"):
-                record_fp8_weights(stages, keys["fp8-weights"], writer.finished(), writer.seconds)
+            weights = writer.finished()
+            if weights is not None and not stages.done("fp8-weights", keys["fp8-weights"], out / "fp8-weights"):
+                record_fp8_weights(stages, keys["fp8-weights"], weights, writer.seconds)  # a later stage failed
     engine_stage(out, engine_graph, cfg, opts, max_context, base, stages, res, log)
     log(f"[build] ran: {', '.join(res.ran) or 'nothing'}; reused: {', '.join(res.reused) or 'nothing'}"
         + (f"; needs a GPU / TensorRT: engine ({'; '.join(res.skipped)})" if res.skipped else ""))

@@ -81,25 +81,21 @@ def calibrate(model_dir: Path, steps, block_size: int, include_lm_head: bool = F
                 amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
             hooks.append(mod.register_forward_pre_hook(hook))
     batch = steps if isinstance(steps, PromptBatch) else None
-    if batch is not None:
-        first = batch.prefill_step()
-        steps, pool_len = [first], batch.pool_len()
-    else:
-        pool_len = step_pool_len(steps, block_size)
-    pools, played = None, 0
+    count = 2 if batch is not None else len(steps)
+    pool_len = batch.pool_len() if batch is not None else step_pool_len(steps, block_size)
+    pools = logits = None
     try:
         with torch.no_grad():
-            while played < len(steps):
-                feeds = steps[played]
+            for i in range(count):
+                if batch is None:
+                    feeds = steps[i]
+                else:  # the denoise step is filled from the prefill's logits
+                    feeds = batch.prefill_step() if i == 0 else batch.denoise_step(logits.numpy())
                 if pools is None:
                     pools = allocate_pools(cfg, int(feeds["slot_ids"].max()) + 1, pool_len)
-                last = played == len(steps) - 1 and (batch is None or played == 1)
-                if last and not include_lm_head:  # its logits are never read: skip the lm_head GEMM (0.3 TFLOP at full size)
+                if i == count - 1 and not include_lm_head:  # logits never read: no lm_head GEMM (0.3 TFLOP at full size)
                     model.logits = lambda h: h[..., :0]
                 logits, _, pools = model.step({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}, pools)
-                played += 1
-                if batch is not None and played == 1:
-                    steps.append(batch.denoise_step(logits.numpy()))
     finally:
         for h in hooks:
             h.remove()

@@ -117,7 +117,7 @@ class Cancelled(Exception):
 def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path,
                      progress: Callable | None = None, cancel=None) -> Fp8Weights:
     """Quantise `targets` (names of `plans`) into OUT/fp8.bin + fp8.json, atomically (module docstring).
-    `cancel`: a `threading.Event` checked before each tensor; when set, nothing is left written."""
+    `cancel`: a `threading.Event` checked before each piece (tensor or expert); when set, nothing is left written."""
     from clover_export.atomic import replace_dir
 
     out = Path(out)
@@ -142,12 +142,10 @@ def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path
 
         it = progress(targets) if progress else targets
         for name in it:
-            if cancel is not None and cancel.is_set():
-                raise Cancelled(name)
             plan = plans[name]
             start, scales = None, []
             for shape, piece in _pieces(plan):
-                if cancel is not None and cancel.is_set():  # also between experts: a stop waits for one piece
+                if cancel is not None and cancel.is_set():  # per piece: a stop waits for one expert at most
                     raise Cancelled(name)
                 if piece is None or not piece.any():  # all zero: q = 0 and scale 1 (quantize.weight_scales)
                     raw, s = math.prod(shape), torch.ones(shape[:-1])
