@@ -9,9 +9,13 @@ selected per layer, the step's embedding rows only, K/V prefix read + the
 step's K/V written, GDN state read + written), the copy bandwidth measured in
 the same run, the compute bound at the measured bf16 matmul rate, and
 `ms / bound_ms`. Also the MoE op alone (fraction of copy bandwidth, FP8 over
-BF16 at the same selection) and a per-kernel profile of the replayed B=8 step.
+BF16 at the same selection, FP8 widened and w8a8), a per-kernel profile of the
+replayed B=8 step, and issue 15's kernel changes side by side (`VARIANTS`: each
+alone on the 2026-11-30 kernels, then together) on three of the steps.
 
-    bash bench/step_bound.sh                    # the GPU run (<= 4 min on an H200)
+The steps run the triton backend's kernels (`variant_cores(product_flags())`).
+
+    bash bench/step_bound.sh                    # the GPU run (<= 8 min on an H200)
     python bench/step_bound.py --dry-run        # CPU, tiny config (B <= 2), TRITON_INTERPRET=1 (CI runs it)
 
 Writes $OUT/step_bound_<gpu>.json (rewritten after every scenario: one failure
@@ -22,6 +26,7 @@ repository also copies both to bench/results/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -174,12 +179,63 @@ SCENARIOS = [  # PERF.md 1; C causal rows, N block rows per batch row
 ]
 
 
+# Issue 15's kernel changes, each alone on the 2026-11-30 baseline and all together, timed side by side
+# (same model, same step inputs, one run). Flags: gdn_split (conv kernel + delta rule on a (row, v-head,
+# dv tile) grid, else the one-launch kernel), glue (norms.py fused RMSNorm/residual, q/k-norm + RoPE, gated
+# norm, else torch), align (count + place kernels, else torch.sort + searchsorted), kv_first (the step's K/V
+# written before the attention launch), a8 (FP8 experts w8a8), moe_tiles / attn_tiles (tile overrides),
+# attn_split_rule (launch.attention_splits_waves: FlashAttention's split count).
+VARIANTS = {
+    "baseline": dict(kv_first=False),
+    "gdn_split": dict(gdn_split=True, kv_first=False),
+    "glue": dict(glue=True, kv_first=False),
+    "align": dict(align=True, kv_first=False),
+    "kv_first": dict(kv_first=True),
+    "product": dict(gdn_split=True, glue=True, align=True, kv_first=True),  # the triton backend (FP8_W8A8 aside)
+    # tile-table candidates on top of the product (issue 15: larger down-projection tiles, attention BLOCK_M 128)
+    "product_down_n128": dict(gdn_split=True, glue=True, align=True, kv_first=True, moe_tiles={"BLOCK_N2": 128}),
+    "product_attn_m128": dict(gdn_split=True, glue=True, align=True, kv_first=True, attn_tiles=(128, 64, 8, 2)),
+    "product_attn_waves": dict(gdn_split=True, glue=True, align=True, kv_first=True, attn_split_rule="waves"),
+}
+FP8_VARIANTS = {"product": VARIANTS["product"], "product_w8a8": dict(VARIANTS["product"], a8=True)}
+DRY_VARIANTS = ("baseline", "product")  # the interpreter is slow: the dry run plays the two ends (CI)
+VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise", "b8_commit_denoise_fp8")
+DRY_VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise_fp8")  # the interpreter is slow: every variant, once
+
+
+def product_flags() -> dict:
+    from clover_export.plugins.triton import launch
+
+    return dict(VARIANTS["product"], a8=launch.FP8_W8A8)
+
+
+def variant_cores(flags: dict, fp8_experts: dict | None):
+    """`Cores` of the triton backend's kernels with each issue-15 change on or off (`VARIANTS` flags)."""
+    from functools import partial
+
+    from clover_export.model.model import Cores
+    from clover_export.plugins.triton import ops
+
+    align = "kernels" if flags.get("align") else "sort"
+
+    def moe(x, router_w, gate_up, down, k, p, coreset, n):
+        tiles, scales = dict(flags.get("moe_tiles") or {}), {}
+        if fp8_experts is not None:
+            gate_up, gs, down, ds = fp8_experts[gate_up.data_ptr()]
+            scales, tiles["A8"] = dict(gate_up_scale=gs, down_scale=ds), bool(flags.get("a8"))
+        return ops.coreset_moe(x, router_w, gate_up, down, k, p, coreset, n, align=align, tiles=tiles or None,
+                               **scales)
+
+    attention = partial(ops.block_attention, kv_first=bool(flags.get("kv_first")), tiles=flags.get("attn_tiles"),
+                        split_rule=flags.get("attn_split_rule", "two_waves"))
+    return Cores(gdn=partial(ops.block_gdn, split=bool(flags.get("gdn_split"))), attention=attention,
+                 moe=moe, **(ops.GLUE if flags.get("glue") else {}))
+
+
 class Step:
     """One scenario's step: the trunk on the kernels, then the logits of the rows that need them."""
 
-    def __init__(self, model, cfg, sc, dev, dtype, fp8_experts, seed=1):
-        from clover_export.plugins import cuda_ops
-
+    def __init__(self, model, cfg, sc, dev, dtype, fp8_experts, seed=1, flags: dict | None = None):
         self.model, self.sc = model, sc
         B, C, N, past = sc["B"], sc["C"], sc["N"], sc["past"]
         T = C + N
@@ -191,15 +247,7 @@ class Step:
         for k, v in self.pools.items():  # a filled prefix
             v.normal_(0, 0.5 if k.endswith(("key", "value")) else 0.05, generator=g)
         self.order = [self.pools[n] for n in names.pool_names(cfg)]
-        base = cuda_ops.cuda_cores(dev.type)
-        self.bf16_moe = base.moe
-        self.cores = base
-        if sc["fp8"]:
-            def moe_fp8(x, router_w, gate_up, down, k, p, coreset, n):
-                gq, gs, dq, ds = fp8_experts[gate_up.data_ptr()]
-                return cuda_ops.coreset_moe_fp8(x, router_w, gq, gs, dq, ds, k, p, coreset, n)
-
-            self.cores = type(base)(gdn=base.gdn, attention=base.attention, moe=moe_fp8)
+        self.cores = variant_cores(product_flags() if flags is None else flags, fp8_experts if sc["fp8"] else None)
         self.rows = N if N > 0 else C  # rows whose logits the step needs
 
     def __call__(self):
@@ -219,8 +267,7 @@ class Step:
             union.append(int(torch.unique(idx[idx < router_w.shape[0]]).numel()))
             return inner(x, router_w, gate_up, down, k, p, coreset, n)
 
-        cores, self.cores = self.cores, type(self.cores)(gdn=self.cores.gdn, attention=self.cores.attention,
-                                                        moe=recording)
+        cores, self.cores = self.cores, dataclasses.replace(self.cores, moe=recording)
         saved = {k: v.clone() for k, v in self.pools.items()}
         try:
             with torch.no_grad():
@@ -243,8 +290,9 @@ def quantize_experts(model) -> dict:
 
 
 def moe_only(model, cfg, timer, dev, dtype, fp8_experts, B: int, rows: int, N: int) -> dict:
-    """Layer 0's routed experts alone at the B=8 commit+denoise shape: bytes / time vs copy bandwidth."""
-    from clover_export.plugins import cuda_ops
+    """Layer 0's routed experts alone at the B=8 commit+denoise shape: bytes / time vs copy bandwidth
+    (FP8: widened to bf16 in registers, and w8a8)."""
+    from clover_export.plugins.triton import ops
     from clover_export.plugins.triton.ops import moe_route
 
     mlp = model.model.layers[0].mlp
@@ -259,16 +307,19 @@ def moe_only(model, cfg, timer, dev, dtype, fp8_experts, B: int, rows: int, N: i
     with torch.no_grad():
         # correctness first (the kernels at this routing: M-block grid, FP8 on fp16 dots) vs the torch core
         want = moe_core(*a)[0]
-        res["bf16_rel_err_vs_core"] = _rel(cuda_ops.coreset_moe(*a)[0], want)
-        ms = timer.step_ms(lambda: cuda_ops.coreset_moe(*a), n=10)
+        res["bf16_rel_err_vs_core"] = _rel(ops.coreset_moe(*a)[0], want)
+        ms = timer.step_ms(lambda: ops.coreset_moe(*a), n=10)
         res.update(bf16_ms=ms, bf16_bytes=union * expert_bytes(cfg, False) + io)
         if fp8_experts is not None:
             gq, gs, dq, ds = fp8_experts[mlp.experts.gate_up_proj.data_ptr()]
-            fp8 = lambda: cuda_ops.coreset_moe_fp8(x, a[1], gq, gs, dq, ds, *a[4:])  # noqa: E731
             want8 = moe_core(x, a[1], dequantize(gq, gs, dtype), dequantize(dq, ds, dtype), *a[4:])[0]
-            res["fp8_rel_err_vs_dequantised_core"] = _rel(fp8()[0], want8)
-            ms8 = timer.step_ms(fp8, n=10)
-            res.update(fp8_ms=ms8, fp8_bytes=union * expert_bytes(cfg, True) + io, fp8_over_bf16=ms / ms8)
+            res["fp8_bytes"] = union * expert_bytes(cfg, True) + io
+            for tag, a8 in (("", False), ("_w8a8", True)):
+                fp8 = lambda a8=a8: ops.coreset_moe(x, a[1], gq, dq, *a[4:], gate_up_scale=gs, down_scale=ds,  # noqa: E731
+                                                    tiles={"A8": a8})
+                res[f"fp8{tag}_rel_err_vs_dequantised_core"] = _rel(fp8()[0], want8)
+                ms8 = timer.step_ms(fp8, n=10)
+                res.update({f"fp8{tag}_ms": ms8, f"fp8{tag}_over_bf16": ms / ms8})
     return res
 
 
@@ -332,13 +383,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/clover_step_bound"))
     ap.add_argument("--past", type=int, default=None, help="cached prefix per row (default 4096; dry run 8)")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds; later scenarios are skipped past it (default 210; dry run: none)")
+                    help="seconds; later scenarios are skipped past it (default 330; dry run: none)")
     ap.add_argument("--routers", default="random,zipf")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (same pattern), for a quick look")
     args = ap.parse_args(argv)
     t0 = time.time()
     cuda = not args.dry_run
-    budget = args.budget if args.budget is not None else (210.0 if cuda else float("inf"))
+    budget = args.budget if args.budget is not None else (330.0 if cuda else float("inf"))
     if cuda and not torch.cuda.is_available():
         print("step_bound: no CUDA GPU (use --dry-run for the CPU check)", file=sys.stderr)
         return 1
@@ -389,6 +440,34 @@ def main(argv=None) -> int:
     copy_bw = res["copy_tb_s"] * 1e12
     compute = active_params(model, cfg)
     routers = args.routers.split(",")
+    res["variants"] = []
+    for name in VARIANT_SCENARIOS if cuda else DRY_VARIANT_SCENARIOS:  # first router: side by side, same step
+        base = next(b for b in SCENARIOS if b["name"] == name)
+        if base["fp8"] and fp8_experts is None:
+            continue
+        sc = dict(base, router=routers[0], past=past, N=block if base["N"] is None else base["N"],
+                  C=block if base["C"] is None else base["C"], B=base["B"] if cuda else min(base["B"], 2))
+        if time.time() - t0 > budget:
+            res["variants"].append(dict(name=name, skipped="time budget"))
+            continue
+        set_router_(model, routers[0])
+
+        def run_variants(sc=sc):
+            row = dict(name=sc["name"], router=sc["router"], ms={}, speedup={})
+            res["variants"].append(row)
+            for vname, flags in (FP8_VARIANTS if sc["fp8"] else VARIANTS).items():
+                if not cuda and not sc["fp8"] and vname not in DRY_VARIANTS:
+                    continue
+                step = Step(model, cfg, sc, dev, dtype, fp8_experts, flags=flags)
+                with torch.no_grad():
+                    row["ms"][vname] = timer.step_ms(step)
+                ref = row["ms"].get("baseline", row["ms"].get("product"))
+                row["speedup"][vname] = ref / row["ms"][vname]
+                print(f"VARIANT {sc['name']:24s} {vname:14s} {row['ms'][vname]:8.3f} ms "
+                      f"({row['speedup'][vname]:.2f}x {'baseline' if 'baseline' in row['ms'] else 'product'})",
+                      flush=True)
+
+        attempt(f"variants {name}", run_variants)
     for router in routers:
         set_router_(model, router)
         for base in SCENARIOS:
@@ -430,12 +509,14 @@ def main(argv=None) -> int:
                 r["bf16_copy_fraction"] = r["bf16_bytes"] / (r["bf16_ms"] / 1e3) / copy_bw
                 if "fp8_ms" in r:
                     r["fp8_copy_fraction"] = r["fp8_bytes"] / (r["fp8_ms"] / 1e3) / copy_bw
+                    r["fp8_w8a8_copy_fraction"] = r["fp8_bytes"] / (r["fp8_w8a8_ms"] / 1e3) / copy_bw
                 res["moe"][router] = r
                 print(f"MOE router={router}: {json.dumps(r)}", flush=True)
 
             attempt(f"moe router={router}", moe)
     res["moe_copy_fraction"] = {r: v.get("bf16_copy_fraction") for r, v in res["moe"].items()}
-    res["fp8_over_bf16"] = {r: v.get("fp8_over_bf16") for r, v in res["moe"].items()}
+    res["fp8_over_bf16"] = {r: max(v.get("fp8_over_bf16") or 0, v.get("fp8_w8a8_over_bf16") or 0) or None
+                            for r, v in res["moe"].items()}
     save()
     if cuda:  # keep the figures with the repository
         dest = ROOT / "bench" / "results"

@@ -93,10 +93,12 @@ def test_tiny_variants_compile_for_sm90():
 
 
 def _real_variants(arch: int) -> list[aot.Variant]:
-    out = [aot.gdn_variant(REAL), aot.attention_variant(REAL, arch=arch)] + aot.moe_variants(REAL, arch=arch)
+    out = ([aot.gdn_variant(REAL), aot.attention_variant(REAL, arch=arch)] + aot.moe_variants(REAL, arch=arch)
+           + aot.gdn_split_variants(REAL) + aot.attention_torch_variants(REAL, arch=arch))
     if arch in launch.FP8_ARCHS:
         out += [v for v in aot.moe_variants(REAL, fp8=True, arch=arch) if ".fp8" in v.key]
-    if arch == 90:  # the other dtype combinations TensorRT may ask for
+    if arch == 90:  # the other dtype combinations TensorRT may ask for; the delta kernel's other dv tile
+        out += aot.gdn_split_variants(REAL, bv=64)[1:]
         out += [aot.gdn_variant(REAL, "bfloat16", "float32"), aot.gdn_variant(REAL, "float32"),
                 aot.attention_variant(REAL, "float32", arch=arch)]
     return out
@@ -123,6 +125,13 @@ def test_grids_and_sizes():
     c = launch.gdn_constexprs(16, 32, 128, 128, 4, 32)
     assert (c["DKP"], c["BV"], c["CC"], c["LOG2_CC"], c["BN"], c["KM1P"]) == (128, 64, 32, 5, 32, 4)
     assert launch.gdn_grid(8, 16) == (8, 16, 1)
+    # the torch path's split form: a program per (row, head) for the conv, per (row, v-head, dv tile) for the
+    # delta rule; at B = 1 the dv tile halves so the 132 SMs of an H200 get >= 128 programs
+    assert launch.gdn_split_bv(1, 32, 128, 132) == 32 and launch.gdn_split_bv(8, 32, 128, 132) == 64
+    split = launch.gdn_split_grids(1, launch.gdn_constexprs(16, 32, 128, 128, 4, 32, bv=32))
+    assert split == {"conv": (1, 64, 1), "delta": (1, 32, 4)}
+    cc = launch.gdn_conv_constexprs(launch.gdn_constexprs(2, 4, 24, 20, 3, 5))
+    assert (cc["CP"], cc["RT"], cc["KM1P"]) == (32, launch.GDN_CONV_ROWS, 2)
     small = launch.gdn_constexprs(2, 4, 24, 20, 3, 5)
     assert (small["DKP"], small["BV"], small["BN"], small["KM1P"]) == (32, 32, 16, 2)
     with pytest.raises(ValueError, match="multiple"):
@@ -133,6 +142,11 @@ def test_grids_and_sizes():
     assert launch.attention_splits(1, 64, 65536, a, 132) > 1  # batch 1, long prefix: split it
     assert launch.attention_splits(8, 544, 65536, a, 132) == 1  # enough programs already
     assert launch.attention_splits(1, 64, 1024, a, 132) == 1  # short pool: not worth a second launch
+    # FlashAttention's wave rule (a bench variant): 16 programs at B = 1 -> 7 splits = 112 of 132 SMs (the
+    # fewest within 85 % of the best wave efficiency); B = 8's 128 programs already fill 80 %: no split
+    assert launch.attention_splits_waves(1, 64, 65536, a, 132) == 7
+    assert launch.attention_splits_waves(8, 64, 65536, a, 132) == 1
+    assert launch.attention_splits_waves(1, 64, 64, a, 132) == 1  # one key block: nothing to split
     assert launch.moe_block_m(64 * 8, 256) == 16 and launch.moe_block_m(8 * 544 * 8, 256) == 64
 
 
@@ -207,6 +221,28 @@ def test_fp8_expert_gemms_widen_to_bf16_by_default():
                               REAL.moe_intermediate_size, {}, "bfloat16", 90)
     mma = set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\S*", aot.compile_variant(v, 90).ptx))
     assert mma and all(".bf16.bf16" in m for m in mma), mma
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", launch.FP8_ARCHS)
+def test_w8a8_expert_gemms_feed_e4m3_to_the_mma(arch):
+    """The w8a8 path exists to skip widening: its MMAs take e4m3 operands and no e4m3 -> f16/bf16 conversion is
+    left (sm_90 needs the 64-row tiles of launch.moe_a8_block_m: at 16 rows Triton widens to fp16)."""
+    for v in aot.moe_a8_variants(REAL, arch=arch):
+        c = aot.compile_variant(v, arch)
+        _check(c, v, arch)
+        if "_a8" not in v.key:
+            continue
+        mma = set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)\S*", c.ptx))
+        assert mma and all("e4m3" in m or "f8f6f4" in m for m in mma), (v.key, arch, mma)
+        assert not re.search(r"cvt\.\S*(f16|bf16)\S*\.e4m3", c.ptx), (v.key, arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", launch.ARCHS)
+def test_fused_glue_compiles(arch):
+    for v in aot.glue_variants(REAL):
+        _check(aot.compile_variant(v, arch), v, arch)
 
 
 def test_m_block_grid_covers_every_tile():

@@ -27,7 +27,8 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
 
 
-def gdn_case(B=2, Hk=2, Hv=4, dk=16, dv=16, K=4, N=5, Tc=19, S=3, nc=(19, 2), chunk=16, seed=0):
+def gdn_case(B=2, Hk=2, Hv=4, dk=16, dv=16, K=4, N=5, Tc=19, S=3, nc=(19, 2), chunk=16, seed=0, split=True):
+    """split: the torch path's conv + delta-rule kernels; False: the one-launch kernel TensorRT runs."""
     import torch
 
     from clover_export.model.gdn import gdn_core
@@ -44,13 +45,13 @@ def gdn_case(B=2, Hk=2, Hv=4, dk=16, dv=16, K=4, N=5, Tc=19, S=3, nc=(19, 2), ch
     ncs = torch.tensor(nc[:B], dtype=torch.int32)
     want = gdn_core(*args, conv_pool, rec_pool, slots, ncs, Hk, dk, dv, N)
     cp, rp = conv_pool.clone(), rec_pool.clone()
-    got = block_gdn(*args, cp, rp, slots, ncs, Hk, dk, dv, N, chunk=chunk, bv=16)
+    got = block_gdn(*args, cp, rp, slots, ncs, Hk, dk, dv, N, chunk=chunk, bv=16, split=split)
     assert got[1] is cp and got[2] is rp, "pools must be updated in place"
     for name, x, y in zip(("o", "conv_pool", "rec_pool"), got, want):
         _close(x, y, name)
 
 
-def gdn_trained_like_case(Tc=128, chunk=32):
+def gdn_trained_like_case(Tc=128, chunk=32, split=True):
     """Keys sharing a direction, slow decay, beta ~1, dk = 128 (tests/test_gdn_numerics.py): the kernel's
     chunk inverse must not cancel (STEP_GRAPH.md 2)."""
     from clover_export.model.gdn import gdn_core
@@ -62,12 +63,14 @@ def gdn_trained_like_case(Tc=128, chunk=32):
     args = [t[n] for n in names]
     rest = (t["slot_ids"], t["n_causal"], a["num_k_heads"], a["head_k_dim"], a["head_v_dim"], a["block_size"])
     want = gdn_core(*args, t["conv_pool"], t["rec_pool"], *rest)
-    got = block_gdn(*args, t["conv_pool"].clone(), t["rec_pool"].clone(), *rest, chunk=chunk, bv=32)
+    got = block_gdn(*args, t["conv_pool"].clone(), t["rec_pool"].clone(), *rest, chunk=chunk, bv=32, split=split)
     for name, x, y in zip(("o", "conv_pool", "rec_pool"), got, want):
         _close(x, y, name)
 
 
-def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), nc=(5, 2), splits=1, seed=0):
+def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), nc=(5, 2), splits=1, seed=0,
+                   kv_first=True):
+    """kv_first: the torch path (K/V written by their own launch first); False: the one-kernel TensorRT form."""
     import torch
 
     from clover_export.model.attention import attention_core
@@ -80,7 +83,7 @@ def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), n
     ids = [torch.tensor(x[:B], dtype=torch.int32) for x in ((2, 0, 1), past, nc)]
     want = attention_core(q, k, v, kp, vp, *ids, N, hd ** -0.5)
     a, b = kp.clone(), vp.clone()
-    got = block_attention(q, k, v, a, b, *ids, N, hd ** -0.5, splits=splits)
+    got = block_attention(q, k, v, a, b, *ids, N, hd ** -0.5, splits=splits, kv_first=kv_first)
     assert got[1] is a and got[2] is b, "pools must be updated in place"
     # padding causal rows (at or past n_causal) are don't-care outputs (STEP_GRAPH.md 1): the core zeroes
     # the values they would read past the valid prefix, the kernel reads them; compare the valid rows
@@ -161,6 +164,66 @@ def moe_fp8_f16_case(act_dtype="float32", seed=7, B=2, Tc=3, N=5, D=64, E=8, I=3
     return {"worst_row_rel": rel}
 
 
+def moe_w8a8_case(B=2, Tc=40, N=8, D=64, E=8, I=32, k=2, seed=13):
+    """FP8 experts on e4m3 x e4m3 dots (tiles A8): equal to the sub-op chain run on the kernels' own quantised
+    activations (x per token, h per pair); the quantiser equals torch's e4m3 cast of x / (amax / 448)."""
+    import torch
+    import torch.nn.functional as F
+
+    from clover_export.engines.quantize import dequantize, quantize_weight
+    from clover_export.model import moe_split as ms
+    from clover_export.model.moe import moe_core
+    from clover_export.plugins.triton.ops import act_quant, coreset_moe
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, Tc + N, D, generator=g) * torch.logspace(-2, 2, D)[torch.randperm(D, generator=g)]
+    rw = torch.randn(E, D, generator=g) * 0.05
+    (gq, gs), (dq, ds) = quantize_weight(torch.randn(E, 2 * I, D, generator=g)), quantize_weight(
+        torch.randn(E, D, I, generator=g))
+    gu, dn = dequantize(gq, gs), dequantize(dq, ds)
+    got, size = coreset_moe(x, rw, gq, dq, k, 0.9, True, N, gate_up_scale=gs, down_scale=ds, tiles={"A8": True})
+
+    def dq_rows(t):
+        q, sc = act_quant(t.reshape(-1, t.shape[-1]))
+        live = t.reshape(q.shape).abs().amax(1) > 0  # all-zero rows (h of unused pairs) stay zero
+        assert q.dtype == torch.float8_e4m3fn and q.float().abs().amax(1)[live].eq(448).all(), "row max -> 448"
+        rows = t.reshape(q.shape)
+        assert torch.equal(q.float(), (rows / sc[:, None]).to(torch.float8_e4m3fn).float()), "not torch's e4m3 rounding"
+        assert torch.equal(sc, rows.abs().amax(1) / 448), "scale"
+        return (q.float() * sc[:, None]).reshape(t.shape)
+
+    idx, w, distinct = ms.route_core(F.linear(x, rw), k, 0.9, True, N)
+    offsets, order = ms.align_core(idx, E)
+    h = ms.gate_up_core(dq_rows(x), gu, offsets, order)
+    want = ms.combine_core(ms.down_core(dq_rows(h), dn, w, offsets, order), idx, E)
+    # h is quantised from the kernel's own h, which differs from the chain's by fp32 rounding: an element at a
+    # rounding tie may land one e4m3 step away (~1e-3 of a row's output); a wrong scale or row is O(1) off
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=2e-3, msg=lambda m: f"w8a8 routed: {m}")
+    assert size.tolist() == distinct.tolist()
+    exact = moe_core(x, rw, gu, dn, k, 0.9, True, N)[0]
+    return {"rel_err_vs_weight_only": float((got - exact).norm() / exact.norm())}
+
+
+def moe_align_case(seed=14, E=37, P=700):
+    """The torch path's pair grouping (count + place kernels, several programs): the offsets of `align_core`,
+    and each expert's segment holds exactly its pairs (their order inside a segment is free)."""
+    import torch
+
+    from clover_export.model.moe_split import align_core
+    from clover_export.plugins.triton.ops import moe_align
+
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, E + 1, (1, P, 1), generator=g, dtype=torch.int32)  # id E: unused slots
+    idx[0, :150] = 5  # a hot expert spanning programs
+    offsets, order = moe_align(idx, E)
+    want = align_core(idx, E)[0]
+    assert torch.equal(offsets, want), (offsets, want)
+    flat = idx.view(-1)
+    for e in range(E):
+        seg = order[offsets[e]:offsets[e + 1]].long()
+        assert torch.equal(seg.sort().values, (flat == e).nonzero().view(-1)), e
+
+
 def moe_tie_case(top_p):
     """tests/coreset_tie_case.py: the coreset boundary on fp32 rounding (assumed.coreset_mask's rule)."""
     from clover_export.model.moe import moe_core
@@ -174,6 +237,35 @@ def moe_tie_case(top_p):
     assert got[1].tolist() == want[1].tolist(), f"coreset_size {got[1].tolist()} != {want[1].tolist()}"
     _close(got[0], want[0], "routed")
     return {"coreset": got[1].tolist()}
+
+
+def glue_case(dtype="float32", seed=11):
+    """The fused glue kernels (norms.py) against `functional`: strided q rows, partial RoPE, residual add."""
+    import torch
+
+    from clover_export.model import functional as F
+    from clover_export.plugins.triton import ops
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dt)  # noqa: E731
+    B, T, H, hd, rot, D, eps = 2, 3, 3, 24, 8, 40, 1e-6
+    h, res, w = r(B, T, D, sc=30.0), r(B, T, D), r(D, sc=0.2)
+    q, _gate = r(B, T, H, 2 * hd).chunk(2, dim=-1)  # strided rows, as Attention's q
+    wq, o, z, wo = r(hd, sc=0.2), r(B, T, H, hd, sc=1e-3), r(B, T, H, hd), r(hd)
+    cos, sin = (x.to(dt) for x in F.rope_cos_sin(torch.arange(B * T).view(B, T) * 7, rot, 1e4, torch.float32))
+    if dtype == "float32":
+        check = _close
+    else:  # the interpreter narrows fp32 to bf16 by truncation (the GPU rounds to nearest): an ulp per rounding,
+        # and RoPE's sum of two rounded products cancels (absolute error ~ an ulp of the operands)
+        def check(got, want, what):
+            torch.testing.assert_close(got.float(), want.float(), atol=2 ** -5, rtol=2 ** -6, msg=lambda m: f"{what}: {m}")
+    check(ops.rms_norm(h, w, eps), F.rms_norm(h, w, eps), "rms_norm")
+    check(ops.rms_norm(q, wq, eps), F.rms_norm(q, wq, eps), "rms_norm strided")
+    for got, want, what in zip(ops.add_rms_norm(h, res, w, eps), F.add_rms_norm(h, res, w, eps), ("sum", "norm")):
+        check(got, want, f"add_rms_norm {what}")
+    check(ops.norm_rope(q, wq, eps, cos, sin), F.norm_rope(q, wq, eps, cos, sin), "norm_rope")
+    check(ops.gated_rms_norm(o, z, wo, eps), F.gated_rms_norm(o, z, wo, eps), "gated_rms_norm")
 
 
 def model_case():
@@ -215,12 +307,21 @@ CASES = {
     "gdn_block_only": lambda: gdn_case(Tc=0, nc=(0, 0), seed=1),
     "gdn_prefill_no_block": lambda: gdn_case(N=0, Tc=7, nc=(7, 3), seed=2),
     "gdn_odd_dims_chunks": lambda: gdn_case(dk=24, dv=20, Hk=1, Hv=2, K=3, N=16, Tc=33, nc=(33, 1), seed=3),
+    "gdn_fused_mixed": lambda: gdn_case(split=False),
+    "gdn_fused_odd_dims_chunks": lambda: gdn_case(dk=24, dv=20, Hk=1, Hv=2, K=3, N=16, Tc=33, nc=(33, 1), seed=3,
+                                                  split=False),
+    "gdn_fused_trained_like": lambda: gdn_trained_like_case(split=False),
     "attention_mixed": lambda: attention_case(),
     "gdn_trained_like": gdn_trained_like_case,
     "attention_split": lambda: attention_case(splits=3, seed=1),
     "attention_block_only": lambda: attention_case(Tc=0, nc=(0, 0), past=(0, 39), seed=2),
     "attention_no_block_overflow": lambda: attention_case(N=0, Tc=6, past=(36, 3), nc=(5, 4), splits=2, seed=3),
     "attention_gqa_long": lambda: attention_case(hd=24, H=6, Hkv=1, L=200, past=(150, 3), splits=4, seed=4),
+    "attention_fused_mixed": lambda: attention_case(kv_first=False),
+    "attention_fused_split": lambda: attention_case(splits=3, seed=1, kv_first=False),
+    # block rows of an empty prefix (visibility limit 0) beside padding causal rows
+    "attention_empty_prefix_block_rows": lambda: attention_case(past=(0, 3), nc=(0, 2), L=40, seed=5),
+    "attention_fused_empty_prefix": lambda: attention_case(past=(0, 3), nc=(0, 2), L=40, seed=5, kv_first=False),
     "moe_coreset": lambda: moe_case(),
     "moe_plain": lambda: moe_case(coreset=False, seed=1),
     "moe_small_top_p": lambda: moe_case(top_p=0.5, E=16, k=3, seed=2),
@@ -230,10 +331,14 @@ CASES = {
     "moe_hot_expert_m_tiles": lambda: moe_case(Tc=90, N=8, hot=True, seed=9),
     "moe_hot_expert_fp8": lambda: moe_case(Tc=90, N=8, hot=True, fp8=True, seed=10),
     "moe_fp8": lambda: moe_case(fp8=True, seed=6),
+    "moe_fp8_w8a8": moe_w8a8_case,
+    "moe_align_atomic": moe_align_case,
     "moe_tie_full_p": lambda: moe_tie_case(1.0),
     "moe_tie_p_below_1": lambda: moe_tie_case(1 - 2.0**-24),
     "moe_fp8_f16_dot_extreme_rows": lambda: moe_fp8_f16_case(),
     "moe_fp8_f16_dot_fp16_acts": lambda: moe_fp8_f16_case("float16", seed=8),
+    "glue_fp32": glue_case,
+    "glue_bf16": lambda: glue_case("bfloat16", seed=12),
     "model_step": model_case,
 }
 

@@ -63,5 +63,18 @@ def test_dry_run_writes_every_scenario(tmp_path):
     moe = res["moe"]["zipf"]
     assert moe["fp8_over_bf16"] > 0 and 0 < moe["experts_selected"] <= 16
     assert moe["bf16_rel_err_vs_core"] < 1e-5 and moe["fp8_rel_err_vs_dequantised_core"] < 1e-5  # fp32 dry run
+    assert 1e-4 < moe["fp8_w8a8_rel_err_vs_dequantised_core"] < 0.1  # activations quantised too: close, not equal
+    # issue 15's changes side by side: every variant of every chosen step timed
+    variants = {v["name"]: v for v in res["variants"]}
+    assert set(variants) == set(sb_variant_scenarios())
+    for name, v in variants.items():
+        want = {"product", "product_w8a8"} if name.endswith("fp8") else {"baseline", "product"}
+        assert set(v["ms"]) == want and all(ms > 0 for ms in v["ms"].values()), v
     assert res["moe_copy_fraction"]["zipf"] > 0
     assert "b8_commit_denoise router=zipf" in (tmp_path / "step_bound_dryrun_profile.txt").read_text()
+
+
+def sb_variant_scenarios():
+    import step_bound as sb
+
+    return sb.DRY_VARIANT_SCENARIOS

@@ -273,7 +273,10 @@ def test_too_old_tensorrt_is_refused_by_the_import_guard(tmp_path, monkeypatch):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("__version__ = '10.8.0.43'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
+    # the fake module must not outlive the test (a later find_spec("tensorrt") in this process would see it):
+    # setitem records "absent" so the undo deletes the key; delitem lets the import reach the fake package
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.delitem(sys.modules, "tensorrt")
     with pytest.raises(CloverError, match="TensorRT 10.8.0.43 is older than 10.9.*aot_impl"):
         import_tensorrt()
 

@@ -149,9 +149,9 @@ def fp32_cores(cores):
     """`Cores` computing in fp32 on their inputs, each output cast back as its op contract says (`like:<input>`):
     the precision policy of the graph's function bodies (`plugins/onnx_bodies.py`), which the plain cores
     follow only in part (they keep the conv, SiLU, beta and the experts in the model dtype)."""
-    from dataclasses import fields
+    from dataclasses import replace
 
-    from clover_export.model.model import Cores
+    from clover_export.model.model import OP_CORES
     from clover_export.plugins.contracts import CONTRACTS, output_dtype_source
 
     by_reference = {c.reference: c for c in CONTRACTS.values()}
@@ -167,7 +167,7 @@ def fp32_cores(cores):
 
         return core
 
-    return Cores(**{f.name: upcast(getattr(cores, f.name)) for f in fields(Cores)})
+    return replace(cores, **{name: upcast(getattr(cores, name)) for name in OP_CORES})
 
 
 class OrtRunner:

@@ -21,6 +21,17 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return ((weight * y) * F.silu(z.float())).to(dtype)
 
 
+def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual add and the norm after it: (h + r, rms_norm(h + r)); the sum rounds to the model dtype."""
+    s = h + r
+    return s, rms_norm(s, weight, eps)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Attention's q/k path: per-head RMSNorm, then the partial RoPE."""
+    return apply_partial_rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 

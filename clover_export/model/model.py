@@ -26,9 +26,22 @@ from clover_export.model.moe import moe_core
 
 @dataclass
 class Cores:
+    """The step's custom ops (STEP_GRAPH.md 2: OP_CORES) and the glue between them.
+
+    Glue left None is the plain torch of this module (what the export traces); the Triton backend sets
+    fused kernels with the same semantics (plugins/triton/norms.py; `functional.add_rms_norm`,
+    `functional.norm_rope` state what they fuse)."""
+
     gdn: Callable = gdn_core
     attention: Callable = attention_core
     moe: Callable = moe_core
+    rms_norm: Callable | None = None
+    add_rms_norm: Callable | None = None
+    norm_rope: Callable | None = None
+    gated_rms_norm: Callable | None = None
+
+
+OP_CORES = ("gdn", "attention", "moe")  # the Cores fields that are custom ops (the rest is glue)
 
 
 class Weight(nn.Module):
@@ -82,7 +95,7 @@ class GatedDeltaNet(nn.Module):
             cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, block_size,
         )
         z = self.in_proj_z(x).reshape(B, T, -1, cfg.linear_value_head_dim)
-        o = gated_rms_norm(o, z, self.norm.weight, cfg.rms_norm_eps)
+        o = (cores.gated_rms_norm or gated_rms_norm)(o, z, self.norm.weight, cfg.rms_norm_eps)
         return self.out_proj(o.reshape(B, T, -1)), conv_pool, rec_pool
 
 
@@ -103,8 +116,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         hd, eps = cfg.head_dim, cfg.rms_norm_eps
         q, gate = self.q_proj(x).view(B, T, -1, 2 * hd).chunk(2, dim=-1)  # per head: hd query rows, hd gate rows
-        q = apply_partial_rope(rms_norm(q, self.q_norm.weight, eps), cos, sin)
-        k = apply_partial_rope(rms_norm(self.k_proj(x).view(B, T, -1, hd), self.k_norm.weight, eps), cos, sin)
+        k = self.k_proj(x).view(B, T, -1, hd)
+        if cores.norm_rope is None:
+            q = apply_partial_rope(rms_norm(q, self.q_norm.weight, eps), cos, sin)
+            k = apply_partial_rope(rms_norm(k, self.k_norm.weight, eps), cos, sin)
+        else:
+            q = cores.norm_rope(q, self.q_norm.weight, eps, cos, sin)
+            k = cores.norm_rope(k, self.k_norm.weight, eps, cos, sin)
         v = self.v_proj(x).view(B, T, -1, hd)
         o, key_pool, value_pool = cores.attention(
             q, k, v, key_pool, value_pool, step.slot_ids, step.past_len, step.n_causal, block_size, hd**-0.5
@@ -162,13 +180,17 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, h, pools, step, cos, sin, block_size, cores):
-        x = rms_norm(h, self.input_layernorm.weight, self.eps)
+        x = (cores.rms_norm or rms_norm)(h, self.input_layernorm.weight, self.eps)
         if self.kind == "linear_attention":
             mixed, *pools = self.linear_attn(x, *pools, step, block_size, cores)
         else:
             mixed, *pools = self.self_attn(x, *pools, step, cos, sin, block_size, cores)
-        h = h + mixed
-        out, distinct = self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps), block_size, cores)
+        if cores.add_rms_norm is None:
+            h = h + mixed
+            x = rms_norm(h, self.post_attention_layernorm.weight, self.eps)
+        else:
+            h, x = cores.add_rms_norm(h, mixed, self.post_attention_layernorm.weight, self.eps)
+        out, distinct = self.mlp(x, block_size, cores)
         return h + out, pools, distinct
 
 
@@ -222,7 +244,7 @@ class CloverModel(nn.Module):
         return torch.gather(h, 1, idx.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(rms_norm(h, self.model.norm.weight, self.cfg.rms_norm_eps)).float()
+        return self.lm_head((self.cores.rms_norm or rms_norm)(h, self.model.norm.weight, self.cfg.rms_norm_eps)).float()
 
     def trunk(self, input_ids, n_causal, has_block, slot_ids, past_len, *pools):
         """The decoder stack: (hidden states of every row [B, T, D], coreset_size, new pools)."""

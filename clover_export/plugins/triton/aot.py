@@ -102,7 +102,7 @@ def strip_hidden_params(ptx: str, n_user: int) -> tuple[str, list[tuple[str, str
 
 
 def expected_ptx_types(signature: dict[str, str]) -> list[str]:
-    return [".u64" if t.startswith("*") else ".u32" for t in signature.values()]
+    return [".u64" if t.startswith("*") else ".f32" if t == "fp32" else ".u32" for t in signature.values()]
 
 
 def compile_variant(v: Variant, arch: int, fp_fusion: bool = launch.FP_FUSION) -> CompiledPTX:
@@ -160,6 +160,25 @@ def gdn_variant_for(hk: int, hv: int, dk: int, dv: int, kconv: int, block_size: 
                    consts, launch.gdn_launch(consts), "(B, Hk, 1)")
 
 
+def gdn_split_variants(cfg, dtype: str = "bfloat16", block_size: int | None = None, bv: int = 32) -> list[Variant]:
+    """The torch path's two-launch BlockGDN (ops.block_gdn split=True): conv kernel, delta-rule kernel."""
+    n = cfg.block_size if block_size is None else block_size
+    consts = launch.gdn_constexprs(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                   cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, n, bv=bv,
+                                   dot_precision=launch.gdn_dot_precision(dtype))
+    cc = launch.gdn_conv_constexprs(consts)
+    a = _dt(dtype)
+    conv = {"mixed_qkv": f"*{a}", "conv_w": f"*{a}", "conv_w_right": f"*{a}", "conv_pool": f"*{a}",
+            "slot_ids": "*i32", "n_causal": "*i32", "T": "i32", "act": "*fp32", "conv_pool_out": f"*{a}"}
+    delta = {"act": "*fp32", "a": f"*{a}", "b": f"*{a}", "A_log": f"*{a}", "dt_bias": f"*{a}", "block_scale": f"*{a}",
+             "block_gate": f"*{a}", "rec_pool": "*fp32", "slot_ids": "*i32", "n_causal": "*i32", "T": "i32",
+             "o": f"*{a}", "rec_pool_out": "*fp32"}
+    return [Variant(f"BlockGDN.conv.{a}", "gdn", "gdn_conv_kernel", conv, cc, launch.gdn_conv_launch(cc),
+                    "(B, 2 Hk + Hv, 1)"),
+            Variant(f"BlockGDN.delta.{a}.bv{bv}", "gdn", "gdn_delta_kernel", delta, consts, launch.gdn_launch(consts),
+                    "(B, Hv, cdiv(dv, BV))")]
+
+
 def attention_variant(cfg, dtype: str = "bfloat16", block_size: int | None = None, arch: int = 90) -> Variant:
     n = cfg.block_size if block_size is None else block_size
     return attention_variant_for(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, n,
@@ -174,6 +193,19 @@ def attention_variant_for(h: int, hkv: int, hd: int, block_size: int, scale: flo
     return Variant(f"BlockAttention.{_dt(dtype)}", "attention", launch.ATTENTION_ABI.kernel,
                    launch.ATTENTION_ABI.signature(dtypes), consts, launch.attention_launch(arch, dtype),
                    "(cdiv(T * H/Hkv, BLOCK_M), B * Hkv, 1)")
+
+
+def attention_torch_variants(cfg, dtype: str = "bfloat16", arch: int = 90) -> list[Variant]:
+    """The torch path's BlockAttention (ops.block_attention kv_first=True): write_kv, then the pool-only pass."""
+    v = attention_variant(cfg, dtype, arch=arch)
+    a, c = _dt(dtype), v.constexprs
+    write = Variant(f"BlockAttention.write_kv.{a}", "attention", "write_kv_kernel",
+                    {"k": f"*{a}", "v": f"*{a}", "slot_ids": "*i32", "past_len": "*i32", "n_causal": "*i32", "T": "i32",
+                     "L": "i32", "key_pool_out": f"*{a}", "value_pool_out": f"*{a}"},
+                    dict(HKV=c["HKV"], HD=c["HD"], HDP=c["HDP"], BLOCK_N=c["BLOCK_N"]), launch.MOE_SMALL_LAUNCH,
+                    "(B * Hkv, 1, 1)")
+    return [write, Variant(f"BlockAttention.kv_first.{a}", v.module, v.kernel, v.signature,
+                           dict(c, KV_FIRST=True), v.options, v.grid)]
 
 
 def moe_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: int | None = None,
@@ -191,17 +223,78 @@ def moe_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: in
                 {"logits": f"*{a}", "T": "i32", "idx": "*i32", "w": f"*{a}", "distinct": "*i32"}, rc,
                 launch.MOE_ROUTE_LAUNCH, "(B, 1 + cdiv(T - N, BT), 1)"),
         Variant(f"CoresetMoE.gate_up.{tag}", "moe", "moe_gate_up_kernel",
-                {"x": f"*{a}", "gate_up": f"*{w}", "gate_up_scale": "*fp32", "offsets": "*i32", "order": "*i64",
+                {"x": f"*{a}", "gate_up": f"*{w}", "gate_up_scale": "*fp32", "offsets": "*i32", "order": "*i32",
                  "h": f"*{a}"}, gu, opts, "(E, cdiv(I, BLOCK_N), 1)"),
         Variant(f"CoresetMoE.down.{tag}", "moe", "moe_down_kernel",
                 {"h": f"*{a}", "down": f"*{w}", "down_scale": "*fp32", "w": f"*{a}", "offsets": "*i32",
-                 "order": "*i64", "y": f"*{a}"}, dn, opts, "(E, cdiv(D, BLOCK_N), 1)"),
+                 "order": "*i32", "y": f"*{a}"}, dn, opts, "(E, cdiv(D, BLOCK_N), 1)"),
         Variant(f"CoresetMoE.combine.{a}", "moe", "moe_combine_kernel",
                 {"y": f"*{a}", "idx": "*i32", "out": f"*{a}"},
                 dict(D=cfg.hidden_size, E=cfg.num_experts, K=cfg.num_experts_per_tok,
                      KP=launch.next_pow2(cfg.num_experts_per_tok), BLOCK_D=256),
                 launch.MOE_SMALL_LAUNCH, "(B*T, cdiv(D, 256), 1)"),
+        Variant("CoresetMoE.count", "moe", "moe_count_kernel",
+                {"idx": "*i32", "P": "i32", "counts": "*i32", "rank": "*i32"},
+                dict(E=cfg.num_experts, BLOCK=launch.MOE_ALIGN_BLOCK), launch.MOE_SMALL_LAUNCH,
+                "(cdiv(P, BLOCK), 1, 1)"),
+        Variant("CoresetMoE.place", "moe", "moe_place_kernel",
+                {"idx": "*i32", "P": "i32", "counts": "*i32", "rank": "*i32", "offsets": "*i32", "order": "*i32"},
+                dict(E=cfg.num_experts, EP1=launch.next_pow2(cfg.num_experts + 1), BLOCK=launch.MOE_ALIGN_BLOCK),
+                launch.MOE_SMALL_LAUNCH, "(cdiv(P, BLOCK), 1, 1)"),
     ]
+
+
+def moe_a8_variants(cfg, dtype: str = "bfloat16", arch: int = 90, pairs: int = 4096) -> list[Variant]:
+    """The torch path's w8a8 FP8 experts (launch.moe_w8a8): activation quantiser, then e4m3 x e4m3 GEMMs on the
+    M-block grid (tiles for `pairs` routed pairs: B = 8 commit+denoise by default)."""
+    a = _dt(dtype)
+    block_m = launch.moe_a8_block_m(pairs, cfg.num_experts, arch)
+    gu, dn, opts = launch.moe_gemm_constexprs(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                                              block_m, True, dtype, arch)
+    gu, dn = launch.moe_m_grid(gu, dn, cfg.num_experts)
+    out = []
+    for what, width in (("x", cfg.hidden_size), ("h", cfg.moe_intermediate_size)):
+        t = launch.act_quant_tiles(width)
+        out.append(Variant(f"CoresetMoE.act_quant_{what}.{a}", "moe", "act_quant_kernel",
+                           {"x": f"*{a}", "xq": "*fp8e4nv", "xs": "*fp32", "R": "i32"},
+                           dict(D=width, BLOCK_D=t["BLOCK_D"], ROWS=t["ROWS"]),
+                           dict(num_warps=t["num_warps"], num_stages=t["num_stages"]), "(cdiv(R, ROWS), 1, 1)"))
+    out += [
+        Variant(f"CoresetMoE.gate_up_a8.{a}.fp8", "moe", "moe_gate_up_a8_kernel",
+                {"xq": "*fp8e4nv", "xs": "*fp32", "gate_up": "*fp8e4nv", "gate_up_scale": "*fp32", "offsets": "*i32",
+                 "order": "*i32", "h": f"*{a}"}, gu, opts, "(M tiles, cdiv(I, BLOCK_N), 1)"),
+        Variant(f"CoresetMoE.down_a8.{a}.fp8", "moe", "moe_down_a8_kernel",
+                {"hq": "*fp8e4nv", "hs": "*fp32", "down": "*fp8e4nv", "down_scale": "*fp32", "w": f"*{a}",
+                 "offsets": "*i32", "order": "*i32", "y": f"*{a}"}, dn, opts, "(M tiles, cdiv(D, BLOCK_N), 1)"),
+    ]
+    return out
+
+
+def glue_variants(cfg, dtype: str = "bfloat16") -> list[Variant]:
+    """The torch path's fused glue (norms.py) at the config's row widths."""
+    a = _dt(dtype)
+
+    def tiles(width):
+        t = launch.norm_tiles(width)
+        return dict(BLOCK_D=t["BLOCK_D"], ROWS=t["ROWS"]), dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+
+    out = []
+    for res in (False, True):
+        c, o = tiles(cfg.hidden_size)
+        out.append(Variant(f"Glue.{'add_' if res else ''}rms_norm.{a}", "norms", "rms_norm_kernel",
+                           {"x": f"*{a}", "r": f"*{a}", "w": f"*{a}", "y": f"*{a}", "s": f"*{a}", "R": "i32",
+                            "x_stride": "i32", "r_stride": "i32", "eps": "fp32"},
+                           dict(c, D=cfg.hidden_size, HAS_RES=res), o, "(cdiv(R, ROWS), 1, 1)"))
+    c, o = tiles(cfg.head_dim)
+    out.append(Variant(f"Glue.norm_rope.{a}", "norms", "norm_rope_kernel",
+                       {"x": f"*{a}", "w": f"*{a}", "cos": f"*{a}", "sin": f"*{a}", "y": f"*{a}", "R": "i32",
+                        "x_stride": "i32", "H": "i32", "eps": "fp32"},
+                       dict(c, D=cfg.head_dim, ROT=cfg.rotary_dim), o, "(cdiv(R, ROWS), 1, 1)"))
+    c, o = tiles(cfg.linear_value_head_dim)
+    out.append(Variant(f"Glue.gated_rms_norm.{a}", "norms", "gated_rms_norm_kernel",
+                       {"o": f"*{a}", "z": f"*{a}", "w": f"*{a}", "y": f"*{a}", "R": "i32", "eps": "fp32"},
+                       dict(c, D=cfg.linear_value_head_dim), o, "(cdiv(R, ROWS), 1, 1)"))
+    return out
 
 
 def moe_subop_variant(op: str, num_experts: int, top_k: int, hidden: int, inter: int, attrs: dict,
@@ -252,9 +345,11 @@ def trt_variants(cfg, arch: int) -> list[Variant]:
 
 
 def all_variants(cfg, arch: int) -> list[Variant]:
-    out = trt_variants(cfg, arch) + moe_variants(cfg, "bfloat16", False, arch=arch)
+    out = (trt_variants(cfg, arch) + moe_variants(cfg, "bfloat16", False, arch=arch) + gdn_split_variants(cfg)
+           + glue_variants(cfg) + attention_torch_variants(cfg, arch=arch))
     if arch in launch.FP8_ARCHS:
         out += [v for v in moe_variants(cfg, "bfloat16", True, arch=arch) if ".fp8" in v.key]
+        out += moe_a8_variants(cfg, arch=arch)
     return out
 
 

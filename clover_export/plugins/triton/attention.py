@@ -12,7 +12,10 @@ it: causal row j sees positions < past_len + j + 1, block rows see
 
 Reads of the pool never touch [past_len, past_len + n_causal), which is
 exactly where the causal rows' K/V are written (by the programs of query
-tile 0, split 0), so the in-place update (aliased pools) cannot race.
+tile 0, split 0), so the in-place update (aliased pools) cannot race. The
+torch path writes them first instead (`write_kv_kernel`, its own launch) and
+runs the attention with KV_FIRST: the prefix loop is then one contiguous pool
+load per tile.
 
 `block_attention_kernel`: one pass, the TensorRT AOT kernel.
 `block_attention_split_kernel` + `attention_combine_kernel`: flash-decoding
@@ -59,25 +62,36 @@ def _tile_setup(q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, pid_m, pi
 def _attend_cache(acc, m_i, l_i, q, k_ptr, v_ptr, kp_ptr, vp_ptr, b, kvh, slot, past, nc, T, L, limit,
                   start, stop, d, d_ok,
                   HKV: tl.constexpr, HD: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
-    """Online softmax over cache positions [start, stop)."""
+                  DOT_PREC: tl.constexpr, KV_FIRST: tl.constexpr):
+    """Online softmax over cache positions [start, stop).
+
+    KV_FIRST (the torch path: `write_kv_kernel` ran before this launch): every position comes from the pool,
+    one contiguous load per tile. Else the step's causal positions [past, past + nc) come from k/v (two
+    masked loads per tile)."""
     pool_base = (slot * HKV + kvh) * L
     for n0 in range(start, stop, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         live = pos < stop
-        in_step = (pos >= past) & (pos < past + nc)
-        pm = (live & ~in_step)[:, None] & d_ok[None, :]
-        sm = (live & in_step)[:, None] & d_ok[None, :]
         p_off = (pool_base + pos)[:, None] * HD + d[None, :]
-        s_off = ((b.to(tl.int64) * T + (pos - past)) * HKV + kvh)[:, None] * HD + d[None, :]
-        kt = tl.load(kp_ptr + p_off, mask=pm, other=0.0) + tl.load(k_ptr + s_off, mask=sm, other=0.0)
+        if KV_FIRST:
+            pm = live[:, None] & d_ok[None, :]
+            kt = tl.load(kp_ptr + p_off, mask=pm, other=0.0)
+        else:
+            in_step = (pos >= past) & (pos < past + nc)
+            pm = (live & ~in_step)[:, None] & d_ok[None, :]
+            sm = (live & in_step)[:, None] & d_ok[None, :]
+            s_off = ((b.to(tl.int64) * T + (pos - past)) * HKV + kvh)[:, None] * HD + d[None, :]
+            kt = tl.load(kp_ptr + p_off, mask=pm, other=0.0) + tl.load(k_ptr + s_off, mask=sm, other=0.0)
         s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * (SCALE * _LOG2E)
         s = tl.where(pos[None, :] < limit[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(vp_ptr + p_off, mask=pm, other=0.0) + tl.load(v_ptr + s_off, mask=sm, other=0.0)
+        if KV_FIRST:
+            vt = tl.load(vp_ptr + p_off, mask=pm, other=0.0)
+        else:
+            vt = tl.load(vp_ptr + p_off, mask=pm, other=0.0) + tl.load(v_ptr + s_off, mask=sm, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
         m_i = m_new
     return acc, m_i, l_i
@@ -125,6 +139,7 @@ def block_attention_kernel(
     o_ptr, ko_ptr, vo_ptr,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FIRST: tl.constexpr,
 ):
     """Grid (cdiv(T * H/Hkv, BLOCK_M), B * Hkv): one pass over the visible prefix, then the block."""
     pid_m = tl.program_id(0)
@@ -135,15 +150,16 @@ def block_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_cache(acc, m_i, l_i, q, k_ptr, v_ptr, kp_ptr, vp_ptr, b, kvh, slot, past, nc, T, L,
-                                  limit, 0, hi, d, d_ok, HKV, HD, SCALE, BLOCK_N, DOT_PREC)
+                                  limit, 0, hi, d, d_ok, HKV, HD, SCALE, BLOCK_N, DOT_PREC, KV_FIRST)
     if N > 0:
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptr, v_ptr, b, kvh, T, Tc, causal, d, d_ok,
                                       HKV, HD, N, BN, SCALE, DOT_PREC)
     l_i = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(o_ptr + q_off, o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    if pid_m == 0:
-        _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, kvh, slot, past, nc, T, L, d, d_ok, HKV, HD, BLOCK_N)
+    if not KV_FIRST:
+        if pid_m == 0:
+            _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, kvh, slot, past, nc, T, L, d, d_ok, HKV, HD, BLOCK_N)
 
 
 @triton.jit
@@ -153,7 +169,7 @@ def block_attention_split_kernel(
     acc_ptr, ml_ptr, ko_ptr, vo_ptr,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, KV_FIRST: tl.constexpr,
 ):
     """Grid (m tiles, B * Hkv, SPLITS): split s takes one slice of the visible prefix; the last also the block.
 
@@ -171,7 +187,7 @@ def block_attention_split_kernel(
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_cache(acc, m_i, l_i, q, k_ptr, v_ptr, kp_ptr, vp_ptr, b, kvh, slot, past, nc, T, L,
-                                  limit, start, stop, d, d_ok, HKV, HD, SCALE, BLOCK_N, DOT_PREC)
+                                  limit, start, stop, d, d_ok, HKV, HD, SCALE, BLOCK_N, DOT_PREC, KV_FIRST)
     if N > 0:
         if sp == SPLITS - 1:
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptr, v_ptr, b, kvh, T, Tc, causal, d, d_ok,
@@ -182,9 +198,20 @@ def block_attention_split_kernel(
     tl.store(acc_ptr + part[:, None] * HDP + d[None, :], acc, mask=m_ok[:, None])
     tl.store(ml_ptr + part * 2, m_i, mask=m_ok)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
-    if pid_m == 0:
+    if not KV_FIRST and pid_m == 0:
         if sp == 0:
             _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, kvh, slot, past, nc, T, L, d, d_ok, HKV, HD, BLOCK_N)
+
+
+@triton.jit
+def write_kv_kernel(k_ptr, v_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, ko_ptr, vo_ptr,
+                    HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (B * Hkv,): the step's causal K/V into the pool (the torch path's first launch, KV_FIRST)."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // HKV
+    d = tl.arange(0, HDP)
+    _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, pid_bh % HKV, tl.load(slot_ids_ptr + b).to(tl.int64),
+                     tl.load(past_len_ptr + b), tl.load(n_causal_ptr + b), T, L, d, d < HD, HKV, HD, BLOCK_N)
 
 
 @triton.jit

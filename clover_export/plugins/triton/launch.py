@@ -119,6 +119,44 @@ def gdn_launch(consts: dict, num_warps: int | None = None) -> dict:
     return dict(num_warps=num_warps or (8 if consts["DKP"] * consts["BV"] >= 8192 else 4), num_stages=1)
 
 
+# The torch path's two-launch form (gdn.py: gdn_conv_kernel, then gdn_delta_kernel on the delta constexprs,
+# which are gdn_constexprs').
+GDN_CONV_ROWS = 32  # causal rows per conv tile
+
+
+def gdn_conv_constexprs(consts: dict) -> dict:
+    """`gdn_conv_kernel`'s sizes from `gdn_constexprs`: one channel tile covers a q, k or v head."""
+    keys = ("HK", "HV", "DK", "DV", "KCONV", "N", "BN", "KM1P")
+    return dict({k: consts[k] for k in keys}, CP=max(16, next_pow2(max(consts["DK"], consts["DV"]))),
+                RT=GDN_CONV_ROWS)
+
+
+def gdn_split_bv(B: int, num_v_heads: int, head_v_dim: int, num_sms: int) -> int:
+    """dv tile of the delta-rule grid: 64, or 32 when 64 leaves SMs idle (B = 1: 32 v-heads x 2 tiles < 132)."""
+    bv = min(64, max(16, next_pow2(head_v_dim)))
+    if bv > 32 and B * num_v_heads * cdiv(head_v_dim, bv) < num_sms:
+        bv = 32
+    return bv
+
+
+def gdn_split_grids(B, consts: dict) -> dict:
+    """conv: (B, 2 Hk + Hv) heads, each program owning its channels; delta: (B, Hv, dv tiles)."""
+    return {"conv": (B, 2 * consts["HK"] + consts["HV"], 1),
+            "delta": (B, consts["HV"], cdiv(consts["DV"], consts["BV"]))}
+
+
+def gdn_conv_launch(conv_consts: dict) -> dict:
+    return dict(num_warps=8 if conv_consts["CP"] * conv_consts["RT"] >= 4096 else 4, num_stages=1)
+
+
+# ---------------------------------------------------------------- fused glue (norms.py)
+def norm_tiles(hidden: int) -> dict:
+    """BLOCK_D covers a row; ROWS rows per program, ~4K elements per tile; 8 warps from 4K elements."""
+    block_d = max(16, next_pow2(hidden))
+    rows = max(1, min(16, 4096 // block_d))
+    return dict(BLOCK_D=block_d, ROWS=rows, num_warps=8 if block_d * rows >= 4096 else 4, num_stages=1)
+
+
 # ---------------------------------------------------------------- BlockAttention
 ATTENTION_TILES = {  # arch -> (BLOCK_M, BLOCK_N, num_warps, num_stages); sm_89 has ~99 KB of shared memory
     80: (64, 64, 8, 2), 89: (64, 32, 8, 2), 90: (64, 64, 8, 2), 100: (64, 64, 8, 2),
@@ -136,6 +174,7 @@ def attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block
         H=num_heads, HKV=num_kv_heads, HD=head_dim, HDP=max(16, next_pow2(head_dim)), N=block_size,
         BN=max(16, next_pow2(block_size)), SCALE=float(scale), BLOCK_M=bm, BLOCK_N=bn,
         DOT_PREC="ieee" if dtype == "float32" else "tf32",
+        KV_FIRST=False,  # the one-kernel form (TensorRT); the torch path writes K/V first (ops.block_attention)
     )
 
 
@@ -162,6 +201,27 @@ def attention_splits(B: int, T: int, L: int, consts: dict, num_sms: int) -> int:
     return int(max(1, min(cdiv(2 * num_sms, base), L // 1024, 32)))
 
 
+def attention_splits_waves(B: int, T: int, L: int, consts: dict, num_sms: int, max_splits: int = 32) -> int:
+    """FlashAttention's rule for the split count, written from its description (a bench variant until the
+    H200 measures it): no split once the programs fill 80 % of the SMs; else, among split counts that change
+    the key blocks per split, the fewest whose wave efficiency (programs / SMs, over its ceiling) is within
+    85 % of the best."""
+    base = attention_grid(B, T, consts)[0] * B * consts["HKV"]
+    if base >= 0.8 * num_sms:
+        return 1
+    blocks = cdiv(L, consts["BLOCK_N"])
+    top = max(1, min(max_splits, num_sms, blocks))
+
+    def efficiency(s: int) -> float:
+        if s > 1 and cdiv(blocks, s) == cdiv(blocks, s - 1):
+            return 0.0  # the same blocks per split as s - 1: nothing gained
+        waves = base * s / num_sms
+        return waves / -(-waves // 1)
+
+    best = max(efficiency(s) for s in range(1, top + 1))
+    return next(s for s in range(1, top + 1) if efficiency(s) >= 0.85 * best)
+
+
 # ---------------------------------------------------------------- CoresetMoE
 MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
     80: dict(BLOCK_N1=64, BLOCK_K1=128, BLOCK_N2=64, BLOCK_K2=128, num_warps=4, num_stages=3),
@@ -178,10 +238,37 @@ MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
 # tiles and the bf16 widening; fp16 dots stay an opt-in (tiles={"F16_DOT": True}).
 FP8_F16_DOT = False
 MOE_TILES_FP8 = MOE_TILES
+# w8a8 (moe.py `act_quant_kernel` + e4m3 x e4m3 dots, as vLLM's fused MoE): the weights go to the MMA as stored,
+# nothing is widened in the inner loop; the activations get one fp32 scale per row. Opt-in (tiles={"A8": True})
+# until the H200 measures it (bench/step_bound.py --fp8-variants) and its token agreement.
+FP8_W8A8 = False
+
+
+def moe_w8a8(fp8: bool, dtype: str, tiles: dict | None = None) -> bool:
+    """Whether FP8 experts run w8a8. tiles={"A8": ...} decides (the interpreter tests run it on fp32
+    activations); else FP8_W8A8, for 16-bit activations only (fp32 graphs keep fp32 dots)."""
+    if not fp8:
+        return False
+    if tiles and "A8" in tiles:
+        return bool(tiles["A8"])
+    return FP8_W8A8 and dtype != "float32"
+
+
+def moe_a8_block_m(pairs: int, num_experts: int, arch: int) -> int:
+    """Pairs per tile of the w8a8 GEMMs: from sm_90 on, 64 (Triton gives e4m3 operands to wgmma only for 64-row
+    tiles; at 16 it widens them to fp16 for mma.sync, the conversion w8a8 exists to avoid; checked in the PTX)."""
+    return 64 if arch >= 90 else moe_block_m(pairs, num_experts)
+
+
+def act_quant_tiles(width: int) -> dict:
+    block_d = max(16, next_pow2(width))
+    rows = max(1, min(16, 4096 // block_d))
+    return dict(BLOCK_D=block_d, ROWS=rows, num_warps=8 if block_d * rows >= 4096 else 4, num_stages=1)
 
 
 MOE_ROUTE_LAUNCH = dict(num_warps=8, num_stages=1)  # [rows, E] fp32 tiles: 8 warps keep them out of local memory
-MOE_SMALL_LAUNCH = dict(num_warps=4, num_stages=1)  # combine kernel
+MOE_SMALL_LAUNCH = dict(num_warps=4, num_stages=1)  # combine kernel; the torch path's align and write_kv kernels
+MOE_ALIGN_BLOCK = 128  # pairs per program of moe_count_kernel / moe_place_kernel ([128, next_pow2(E + 1)] tiles)
 
 
 def moe_route_constexprs(num_experts: int, top_k: int, block_size: int, top_p: float, coreset: bool) -> dict:
@@ -202,8 +289,9 @@ def moe_gemm_constexprs(hidden: int, inter: int, top_k: int, block_m: int, fp8: 
 
     FP8 with 16-bit activations: F16_DOT (fp16 dots, moe.py `_row_scale`); fp32 activations keep fp32 dots."""
     table = MOE_TILES_FP8 if fp8 else MOE_TILES
-    t = dict(table.get(arch, table[90]), **(tiles or {}))
-    if dtype == "float32" and not tiles:  # fp32 graphs (validation): half the K tile, two stages
+    overrides = {k: v for k, v in (tiles or {}).items() if k != "A8"}  # A8 picks kernels (moe_w8a8), not tiles
+    t = dict(table.get(arch, table[90]), **overrides)
+    if dtype == "float32" and not overrides:  # fp32 graphs (validation): half the K tile, two stages
         t.update(BLOCK_K1=64, BLOCK_K2=64, num_stages=2)
     prec = "ieee" if dtype == "float32" else "tf32"
     bk1 = min(t["BLOCK_K1"], max(16, next_pow2(hidden)))

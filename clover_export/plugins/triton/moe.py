@@ -1,9 +1,9 @@
 """`clover::CoresetMoE` in Triton (MODEL.md 4, 5.3; STEP_GRAPH.md 2).
 
 Semantics are those of `clover_export.model.moe.moe_core`. Four kernels, with
-torch glue between them (router logits `F.linear`, exactly as the reference
-computes them; one `torch.sort` of the (token, slot) pairs by expert id and
-`torch.searchsorted` for each expert's segment):
+the router logits (`F.linear`, exactly as the reference computes them) and the
+grouping of the (token, slot) pairs by expert between them (`moe_count_kernel`
++ `moe_place_kernel`: atomic counts, prefix sum, scatter):
 
 1. `moe_route_kernel`, grid (batch rows, 1 + causal row tiles): router softmax (fp32),
    plain top-k for causal rows; for block rows the block coreset (aggregate
@@ -36,6 +36,11 @@ e4m3 -> fp16 is one instruction (-> bf16 is several: the widening was
 issue-bound at small M), and the activations are converted to fp16 after a
 per-row power-of-two scale (`_row_scale`) that keeps them inside fp16's
 range whatever their size; fp32 activations keep fp32 dots (validation).
+w8a8 (`launch.moe_w8a8`, opt-in until measured): `act_quant_kernel` quantises
+the tokens (and then h) per row to e4m3 with an fp32 scale, and
+`moe_gate_up_a8_kernel` / `moe_down_a8_kernel` feed e4m3 x e4m3 to the MMA
+(nothing widened in the inner loop; the row scale and the weight's channel
+scale multiply the fp32 accumulator), as vLLM's fused MoE does.
 """
 
 from __future__ import annotations
@@ -209,8 +214,8 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_pt
                        DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """h[pair, n] = silu(x W_g[e]^T) * (x W_u[e]^T), model-dtype rounding as the reference."""
-    _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, HAS_SCALE, BLOCK_M, BLOCK_N,
-             BLOCK_K, DOT_PREC, F16_DOT, M_GRID, NE, NEP)
+    _gate_up(x_ptr, x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, HAS_SCALE, BLOCK_M, BLOCK_N,
+             BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP)
 
 
 @triton.jit
@@ -220,19 +225,30 @@ def moe_gate_up_plain_kernel(x_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr,
                              DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """`clover::MoEGateUp` (no scales): the launch ABI of its contract, inputs then outputs."""
-    _gate_up(x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, False, BLOCK_M, BLOCK_N, BLOCK_K,
-             DOT_PREC, False, M_GRID, NE, NEP)
+    _gate_up(x_ptr, x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, False, BLOCK_M, BLOCK_N, BLOCK_K,
+             DOT_PREC, False, False, M_GRID, NE, NEP)
 
 
 @triton.jit
-def _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
+def moe_gate_up_a8_kernel(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
+                          D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                          M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+    """FP8 experts on e4m3 x e4m3 dots (w8a8): xq/xs the tokens quantised by `act_quant_kernel`."""
+    _gate_up(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, HAS_SCALE, BLOCK_M,
+             BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP)
+
+
+@triton.jit
+def _gate_up(x_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
              D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-             F16_DOT: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+             F16_DOT: tl.constexpr, A8: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    dt = x_ptr.dtype.element_ty
+    dt = h_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     g_rows = e.to(tl.int64) * 2 * I + n
     for m0 in range(lo, hi, BLOCK_M):
@@ -251,13 +267,20 @@ def _gate_up(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
             wmask = n_ok[:, None] & k_ok[None, :]
             wg = tl.load(gu_ptr + g_rows[:, None] * D + (k0 + kk)[None, :], mask=wmask, other=0.0)
             wu = tl.load(gu_ptr + (g_rows + I)[:, None] * D + (k0 + kk)[None, :], mask=wmask, other=0.0)
-            if F16_DOT:
+            if A8:  # e4m3 x e4m3 into fp32: the weights are used as stored
+                acc_g = tl.dot(xt, tl.trans(wg), acc_g)
+                acc_u = tl.dot(xt, tl.trans(wu), acc_u)
+            elif F16_DOT:
                 xh = (xt.to(tl.float32) * inv_s[:, None]).to(tl.float16)
                 acc_g = tl.dot(xh, tl.trans(wg.to(tl.float16)), acc_g, input_precision=DOT_PREC)
                 acc_u = tl.dot(xh, tl.trans(wu.to(tl.float16)), acc_u, input_precision=DOT_PREC)
             else:
                 acc_g = tl.dot(xt, tl.trans(wg.to(dt)), acc_g, input_precision=DOT_PREC)
                 acc_u = tl.dot(xt, tl.trans(wu.to(dt)), acc_u, input_precision=DOT_PREC)
+        if A8:
+            xs = tl.load(xs_ptr + tok, mask=r_ok, other=0.0)
+            acc_g = acc_g * xs[:, None]
+            acc_u = acc_u * xs[:, None]
         if F16_DOT:
             acc_g = acc_g * s_row[:, None]
             acc_u = acc_u * s_row[:, None]
@@ -277,8 +300,8 @@ def moe_down_kernel(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_p
                     DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """y[pair, n] = (h W_down[e]^T)[n] * routing weight, rounded like the reference."""
-    _down(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, HAS_SCALE, BLOCK_M, BLOCK_N,
-          BLOCK_K, DOT_PREC, F16_DOT, M_GRID, NE, NEP)
+    _down(h_ptr, h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, HAS_SCALE, BLOCK_M,
+          BLOCK_N, BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP)
 
 
 @triton.jit
@@ -288,19 +311,30 @@ def moe_down_plain_kernel(h_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
                           DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """`clover::MoEDown` (no scales): the launch ABI of its contract, inputs then outputs."""
-    _down(h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, False, BLOCK_M, BLOCK_N, BLOCK_K,
-          DOT_PREC, False, M_GRID, NE, NEP)
+    _down(h_ptr, h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, False, BLOCK_M, BLOCK_N,
+          BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP)
 
 
 @triton.jit
-def _down(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
+def moe_down_a8_kernel(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
+                       D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                       M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+    """FP8 experts on e4m3 x e4m3 dots (w8a8): hq/hs the pair rows quantised by `act_quant_kernel`."""
+    _down(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, HAS_SCALE, BLOCK_M,
+          BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP)
+
+
+@triton.jit
+def _down(h_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
           D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-          F16_DOT: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+          F16_DOT: tl.constexpr, A8: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
-    dt = h_ptr.dtype.element_ty
+    dt = y_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     d_rows = e.to(tl.int64) * D + n
     for m0 in range(lo, hi, BLOCK_M):
@@ -315,11 +349,15 @@ def _down(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
             k_ok = (k0 + kk) < I
             ht = tl.load(h_rows + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             wd = tl.load(down_ptr + d_rows[:, None] * I + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if F16_DOT:
+            if A8:
+                acc = tl.dot(ht, tl.trans(wd), acc)
+            elif F16_DOT:
                 hh = (ht.to(tl.float32) * inv_s[:, None]).to(tl.float16)
                 acc = tl.dot(hh, tl.trans(wd.to(tl.float16)), acc, input_precision=DOT_PREC)
             else:
                 acc = tl.dot(ht, tl.trans(wd.to(dt)), acc, input_precision=DOT_PREC)
+        if A8:
+            acc = acc * tl.load(hs_ptr + pair, mask=r_ok, other=0.0)[:, None]
         if F16_DOT:
             acc = acc * s_row[:, None]
         if HAS_SCALE:
@@ -364,3 +402,65 @@ def moe_align_kernel(idx_ptr, B, T, offsets_ptr, order_ptr, E: tl.constexpr, EP1
         pos = tl.sum(hit * (run[None, :] + rank), axis=1)
         tl.store(order_ptr + pos, p, mask=p < P)
         run += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def moe_count_kernel(idx_ptr, P, counts_ptr, rank_ptr, E: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(P, BLOCK),): counts[e] += 1 per pair routed to e (counts zeroed before), rank[p] = the count
+    before this pair's (its place within e's segment). Unused slots (id E) are skipped."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(idx_ptr + p, mask=p < P, other=E)
+    live = (p < P) & (ids < E)
+    rank = tl.atomic_add(counts_ptr + ids, 1, mask=live, sem="relaxed")
+    tl.store(rank_ptr + p, rank, mask=live)
+
+
+@triton.jit
+def moe_place_kernel(idx_ptr, P, counts_ptr, rank_ptr, offsets_ptr, order_ptr, E: tl.constexpr,
+                     EP1: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(P, BLOCK),): offsets = exclusive prefix sum of counts, order[offsets[e] + rank[p]] = p.
+
+    Every program sums the E + 1 counts itself and stores the same offsets (identical values: whichever store
+    lands, the loads after the barrier read them). With moe_count_kernel this replaces torch.sort +
+    searchsorted on the torch path: three launches (with the zero fill), no host sync. The order within an
+    expert's segment depends on the atomics, which changes no result: every output row of the expert GEMMs
+    depends on its own input row only."""
+    e = tl.arange(0, EP1)
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+    tl.store(offsets_ptr + e, tl.cumsum(counts, axis=0) - counts, mask=e <= E)  # offsets[E] = every pair used
+    tl.debug_barrier()
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(idx_ptr + p, mask=p < P, other=E)
+    live = (p < P) & (ids < E)
+    base = tl.load(offsets_ptr + ids, mask=live, other=0)
+    rank = tl.load(rank_ptr + p, mask=live, other=0)
+    tl.store(order_ptr + base + rank, p, mask=live)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic, so the cast after it
+    is exact on every backend (Triton's interpreter drops the carry when rounding up into the next binade:
+    1.986 -> 1.0). The grid step is 2^(e - 3) for binade e >= -6, 2^-9 below (subnormals); y + 1.5 * 2^23 rounds
+    y (|y| <= 16) to an integer, ties to even; scaling by powers of two (built from their bits) is exact."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    y = v * inv_step
+    return ((y + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def act_quant_kernel(x_ptr, xq_ptr, xs_ptr, R, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Per-row e4m3 quantisation for the w8a8 expert GEMMs: s = amax / 448 (fp32), xq = x / s in e4m3."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    m = (rows < R)[:, None] & (d < D)[None, :]
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    # div_rn: IEEE division as torch's (Triton's `/` compiles to div.full.f32 on NVIDIA GPUs, up to 2 ulp off)
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30), tl.full([ROWS], 448.0, tl.float32))
+    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, s[:, None] + tl.zeros_like(x)), -448.0, 448.0))
+    tl.store(xq_ptr + r64[:, None] * D + d[None, :], q.to(xq_ptr.dtype.element_ty), mask=m)
+    tl.store(xs_ptr + rows, s, mask=rows < R)

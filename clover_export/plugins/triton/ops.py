@@ -29,13 +29,17 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
 
 def block_gdn(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate,
               conv_pool, rec_pool, slot_ids, n_causal, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-              block_size: int, *, chunk: int = 32, bv: int = 64, dot_precision: str | None = None,
-              num_warps: int | None = None):
+              block_size: int, *, chunk: int = 32, bv: int | None = None, dot_precision: str | None = None,
+              num_warps: int | None = None, split: bool = True):
     """`gdn_core` with the pools updated in place: returns (o, conv_pool, rec_pool).
 
+    split (default): two launches, the conv kernel over (batch row, head) writing an fp32 scratch of the
+    activated rows (B x T x C_conv x 4 bytes: 17 MB for 8 rows of 64 at Clover sizes, 8.4 MB per 256-row
+    prefill chunk; the allocator reuses it), then the delta rule over (batch row, v-head, dv tile).
+    split=False: the one-launch kernel TensorRT runs (one program per (batch row, k-head)).
     chunk / bv / dot_precision / num_warps override the defaults (benchmark sweeps).
     """
-    from clover_export.plugins.triton.gdn import block_gdn_kernel
+    from clover_export.plugins.triton import gdn as kern
 
     B, T, C = mixed_qkv.shape
     Hv = A_log.shape[0]
@@ -46,22 +50,45 @@ def block_gdn(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale
     if rec_pool.dtype != torch.float32:
         raise ValueError("BlockGDN: rec_pool must be float32")
     prec = dot_precision or launch.gdn_dot_precision(str(mixed_qkv.dtype).removeprefix("torch."))
+    if bv is None:
+        bv = launch.gdn_split_bv(B, Hv, head_v_dim, _num_sms(mixed_qkv.device)) if split else 64
     consts = launch.gdn_constexprs(num_k_heads, Hv, head_k_dim, head_v_dim, K, block_size, chunk, bv, prec)
     o = torch.empty(B, T, Hv, head_v_dim, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-    args = [x.contiguous() for x in (mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate)]
-    if B > 0:
-        block_gdn_kernel[launch.gdn_grid(B, num_k_heads)](
-            *args, conv_pool, rec_pool, _i32(slot_ids), _i32(n_causal), T, o, conv_pool, rec_pool,
-            **launch.gdn_launch(consts, num_warps), **consts, **_FUSION)
+    mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate = (
+        x.contiguous() for x in (mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate))
+    ids = (_i32(slot_ids), _i32(n_causal))
+    if B == 0:
+        return o, conv_pool, rec_pool
+    if not split:
+        kern.block_gdn_kernel[launch.gdn_grid(B, num_k_heads)](
+            mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate, conv_pool, rec_pool,
+            *ids, T, o, conv_pool, rec_pool, **launch.gdn_launch(consts, num_warps), **consts, **_FUSION)
+        return o, conv_pool, rec_pool
+    act = torch.empty(B, T, C, dtype=torch.float32, device=mixed_qkv.device)
+    cc = launch.gdn_conv_constexprs(consts)
+    grids = launch.gdn_split_grids(B, consts)
+    kern.gdn_conv_kernel[grids["conv"]](mixed_qkv, conv_w, conv_w_right, conv_pool, *ids, T, act, conv_pool,
+                                        **cc, **launch.gdn_conv_launch(cc), **_FUSION)
+    kern.gdn_delta_kernel[grids["delta"]](act, a, b, A_log, dt_bias, block_scale, block_gate, rec_pool, *ids, T, o,
+                                          rec_pool, **consts, **launch.gdn_launch(consts, num_warps), **_FUSION)
     return o, conv_pool, rec_pool
 
 
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def block_attention(q, k, v, key_pool, value_pool, slot_ids, past_len, n_causal, block_size: int, scale: float,
-                    *, splits: int | None = None, arch: int | None = None, tiles: tuple | None = None):
+                    *, splits: int | None = None, arch: int | None = None, tiles: tuple | None = None,
+                    kv_first: bool = True, split_rule: str = "two_waves"):
     """`attention_core` with the pools updated in place: returns (o, key_pool, value_pool).
 
+    kv_first (default): the step's causal K/V are written by their own launch first, then the attention
+    reads every prefix position from the pool; False: the one-kernel form TensorRT runs.
+
     `splits` > 1 splits the cached prefix over more programs and merges the
-    partials (two launches); None picks it from the shapes and the GPU size.
+    partials (two launches); None picks it from the shapes and the GPU size
+    (`split_rule`: "two_waves", launch.attention_splits, or "waves", launch.attention_splits_waves).
     `tiles` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the per-arch table.
     """
     from clover_export.plugins.triton import attention as kern
@@ -74,14 +101,19 @@ def block_attention(q, k, v, key_pool, value_pool, slot_ids, past_len, n_causal,
     dtype = str(q.dtype).removeprefix("torch.")
     consts = launch.attention_constexprs(H, Hkv, hd, block_size, scale, dtype, arch, tiles)
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        splits = launch.attention_splits(B, T, L, consts, sms)
+        rule = {"two_waves": launch.attention_splits, "waves": launch.attention_splits_waves}[split_rule]
+        splits = rule(B, T, L, consts, _num_sms(q.device))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ids = (_i32(slot_ids), _i32(past_len), _i32(n_causal))
     o = torch.empty_like(q)
     if B == 0 or T == 0:
         return o, key_pool, value_pool
     opts = launch.attention_launch(arch, dtype, tiles)
+    if kv_first:  # the step's causal K/V into the pool first: the prefix loop then reads the pool alone
+        kern.write_kv_kernel[(B * Hkv,)](k, v, *ids, T, L, key_pool, value_pool, HKV=Hkv, HD=hd,
+                                         HDP=consts["HDP"], BLOCK_N=consts["BLOCK_N"], **launch.MOE_SMALL_LAUNCH,
+                                         **_FUSION)
+    consts = dict(consts, KV_FIRST=kv_first)
     if splits <= 1:
         kern.block_attention_kernel[launch.attention_grid(B, T, consts)](
             q, k, v, key_pool, value_pool, *ids, T, L, o, key_pool, value_pool, **consts, **opts, **_FUSION)
@@ -138,7 +170,7 @@ def moe_route(x, router_w, top_k: int, top_p: float, coreset: bool, block_size: 
 
 def coreset_moe(x, router_w, gate_up, down, top_k: int, top_p: float, coreset: bool, block_size: int,
                 *, gate_up_scale=None, down_scale=None, arch: int | None = None, tiles: dict | None = None,
-                n_causal=None, router_bias=None):
+                n_causal=None, router_bias=None, align: str = "kernels"):
     """`moe_core`: returns (routed [B, T, D], distinct experts of each row's block [B] int32).
 
     FP8 weights: `gate_up`/`down` in float8_e4m3fn with fp32 per-output-channel
@@ -149,17 +181,17 @@ def coreset_moe(x, router_w, gate_up, down, top_k: int, top_p: float, coreset: b
     x = x.contiguous()
     idx, w, distinct = moe_route(x, router_w, top_k, top_p, coreset, block_size, n_causal, router_bias)
     out = moe_experts(x, idx, w, gate_up, down, gate_up_scale=gate_up_scale, down_scale=down_scale, arch=arch,
-                      tiles=tiles)
+                      tiles=tiles, align=align)
     return out, distinct
 
 
 def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None, arch: int | None = None,
-                tiles: dict | None = None):
-    """Routed SwiGLU experts and the weighted sum for given routing (idx, w from `moe_route`).
+                tiles: dict | None = None, align: str = "kernels"):
+    """Routed SwiGLU experts and the weighted sum for given routing (idx, w from `moe_route`): the pairs grouped
+    by expert (`moe_align`), the two expert GEMMs (w8a8 where launch.moe_w8a8 says), the combine.
 
-    Torch glue: one sort of the (token, slot) pairs by expert id and
-    `searchsorted` for each expert's segment of them.
-    """
+    align="sort": the pairs grouped by torch.sort + searchsorted instead (the 2026-11-30 baseline that
+    bench/step_bound.py measures side by side)."""
     from clover_export.plugins.triton import moe as kern
 
     B, T, D = x.shape
@@ -173,17 +205,155 @@ def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None
     out = torch.empty_like(x)
     if P == 0:
         return out
-    sorted_ids, order = torch.sort(idx.view(-1))  # pairs grouped by expert (E = "none" sorts last)
-    offsets = torch.searchsorted(sorted_ids, torch.arange(E + 1, dtype=_I32, device=x.device)).to(_I32)
-    gu, dn, opts = launch.moe_gemm_constexprs(D, I, top_k, launch.moe_block_m(P, E), fp8, dtype, arch, tiles)
+    if align == "sort":
+        sorted_ids, order = torch.sort(idx.view(-1))  # E ("none") sorts last
+        offsets = torch.searchsorted(sorted_ids, torch.arange(E + 1, dtype=_I32, device=x.device)).to(_I32)
+    elif align == "kernels":
+        offsets, order = moe_align(idx, E)
+    else:
+        raise ValueError(f"CoresetMoE: align must be 'kernels' or 'sort', not {align!r}")
+    a8 = launch.moe_w8a8(fp8, dtype, tiles)
+    block_m = launch.moe_a8_block_m(P, E, arch) if a8 else launch.moe_block_m(P, E)
+    gu, dn, opts = launch.moe_gemm_constexprs(D, I, top_k, block_m, fp8, dtype, arch, tiles)
     gu, dn = launch.moe_m_grid(gu, dn, E)  # a hot expert's M tiles run in parallel
     grids = launch.moe_grids(E, B, T, gu, dn)
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     gs = offsets if gate_up_scale is None else gate_up_scale.float().contiguous()  # offsets: never read
     ds = offsets if down_scale is None else down_scale.float().contiguous()
-    kern.moe_gate_up_kernel[grids["gate_up"]](x, gate_up.contiguous(), gs, offsets, order, h, **gu, **opts, **_FUSION)
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
-    kern.moe_down_kernel[grids["down"]](h, down.contiguous(), ds, w, offsets, order, y, **dn, **opts, **_FUSION)
+    if a8:
+        xq, xs = act_quant(x.view(B * T, D))
+        kern.moe_gate_up_a8_kernel[grids["gate_up"]](xq, xs, gate_up.contiguous(), gs, offsets, order, h, **gu,
+                                                     **opts, **_FUSION)
+        hq, hs = act_quant(h)
+        kern.moe_down_a8_kernel[grids["down"]](hq, hs, down.contiguous(), ds, w, offsets, order, y, **dn, **opts,
+                                               **_FUSION)
+    else:
+        kern.moe_gate_up_kernel[grids["gate_up"]](x, gate_up.contiguous(), gs, offsets, order, h, **gu, **opts,
+                                                  **_FUSION)
+        kern.moe_down_kernel[grids["down"]](h, down.contiguous(), ds, w, offsets, order, y, **dn, **opts, **_FUSION)
     kern.moe_combine_kernel[grids["combine"]](y, idx, out, D=D, E=E, K=top_k, KP=launch.next_pow2(top_k),
                                               BLOCK_D=256, **launch.MOE_SMALL_LAUNCH, **_FUSION)
     return out
+
+
+def moe_align(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets [E+1] int32, order [P] int32): the pairs of idx [B, T, k] grouped by expert id (unused slots,
+    id E, are left out; order's tail past offsets[E] is never read). No host sync (CUDA-graph capturable)."""
+    from clover_export.plugins.triton import moe as kern
+
+    P = idx.numel()
+    counts = torch.zeros(num_experts, dtype=_I32, device=idx.device)
+    rank = torch.empty(P, dtype=_I32, device=idx.device)
+    offsets = torch.empty(num_experts + 1, dtype=_I32, device=idx.device)
+    order = torch.zeros(P, dtype=_I32, device=idx.device)
+    grid = (launch.cdiv(P, launch.MOE_ALIGN_BLOCK),)
+    flat = idx.contiguous().view(-1)
+    kern.moe_count_kernel[grid](flat, P, counts, rank, E=num_experts, BLOCK=launch.MOE_ALIGN_BLOCK,
+                                **launch.MOE_SMALL_LAUNCH, **_FUSION)
+    kern.moe_place_kernel[grid](flat, P, counts, rank, offsets, order, E=num_experts,
+                                EP1=launch.next_pow2(num_experts + 1), BLOCK=launch.MOE_ALIGN_BLOCK,
+                                **launch.MOE_SMALL_LAUNCH, **_FUSION)
+    return offsets, order
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [R, W] -> (e4m3 [R, W], fp32 scale [R]) with x ~ xq * scale (moe.py `act_quant_kernel`)."""
+    from clover_export.plugins.triton import moe as kern
+
+    R, W = x.shape
+    xq = torch.empty(R, W, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(R, dtype=torch.float32, device=x.device)
+    if R:
+        t = launch.act_quant_tiles(W)
+        kern.act_quant_kernel[(launch.cdiv(R, t["ROWS"]),)](x.contiguous(), xq, xs, R, D=W, BLOCK_D=t["BLOCK_D"],
+                                                             ROWS=t["ROWS"], num_warps=t["num_warps"],
+                                                             num_stages=t["num_stages"], **_FUSION)
+    return xq, xs
+
+
+# ---------------------------------------------------------------- fused glue (norms.py)
+def _row_stride(x: torch.Tensor) -> int | None:
+    """Element stride between consecutive last-dim rows when x's leading dims collapse to one, else None."""
+    if x.dim() < 2:
+        return x.shape[-1]
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return None
+    step, span = x.stride(-2), 1
+    for i in range(x.dim() - 2, -1, -1):  # dim i must sit `span` rows apart
+        if x.shape[i] > 1 and x.stride(i) != step * span:
+            return None
+        span *= x.shape[i]
+    return step
+
+
+def _rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    stride = _row_stride(x)
+    if stride is None:
+        x = x.contiguous()
+        stride = x.shape[-1]
+    return x, stride
+
+
+def _norm_launch(x: torch.Tensor, rows: int):
+    from clover_export.plugins.triton import norms as kern
+
+    t = launch.norm_tiles(x.shape[-1])
+    tiles = dict(BLOCK_D=t["BLOCK_D"], ROWS=t["ROWS"])
+    return kern, (launch.cdiv(rows, t["ROWS"]),), tiles, dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+
+
+def rms_norm(x, weight, eps: float):
+    """`functional.rms_norm` in one kernel."""
+    D = x.shape[-1]
+    R = x.numel() // D if D else 0
+    x, stride = _rows_of(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if R:
+        kern, grid, tiles, opts = _norm_launch(x, R)
+        kern.rms_norm_kernel[grid](x, x, weight.contiguous(), y, y, R, stride, 0, float(eps), D=D, HAS_RES=False,
+                                   **tiles, **opts, **_FUSION)
+    return y
+
+
+def add_rms_norm(h, r, weight, eps: float):
+    """`functional.add_rms_norm` in one kernel: (h + r, rms_norm(h + r))."""
+    D = h.shape[-1]
+    R = h.numel() // D if D else 0
+    h, hs = _rows_of(h)
+    r, rs = _rows_of(r)
+    s = torch.empty(h.shape, dtype=torch.promote_types(h.dtype, r.dtype), device=h.device)
+    y = torch.empty_like(s)
+    if R:
+        kern, grid, tiles, opts = _norm_launch(h, R)
+        kern.rms_norm_kernel[grid](h, r, weight.contiguous(), y, s, R, hs, rs, float(eps), D=D, HAS_RES=True,
+                                   **tiles, **opts, **_FUSION)
+    return s, y
+
+
+def norm_rope(x, weight, eps: float, cos, sin):
+    """`functional.norm_rope` in one kernel: x [B, T, heads, hd] (rows may be strided), cos/sin [B, T, rot]."""
+    B, T, H, D = x.shape
+    R = B * T * H
+    x, stride = _rows_of(x)
+    y = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
+    if R:
+        kern, grid, tiles, opts = _norm_launch(x, R)
+        kern.norm_rope_kernel[grid](x, weight.contiguous(), cos.contiguous(), sin.contiguous(), y, R, stride, H,
+                                    float(eps), D=D, ROT=cos.shape[-1], **tiles, **opts, **_FUSION)
+    return y
+
+
+def gated_rms_norm(o, z, weight, eps: float):
+    """`functional.gated_rms_norm` in one kernel."""
+    D = o.shape[-1]
+    R = o.numel() // D if D else 0
+    o, z = o.contiguous(), z.contiguous()
+    y = torch.empty_like(o)
+    if R:
+        kern, grid, tiles, opts = _norm_launch(o, R)
+        kern.gated_rms_norm_kernel[grid](o, z, weight.contiguous(), y, R, float(eps), D=D, **tiles, **opts, **_FUSION)
+    return y
+
+
+GLUE = dict(rms_norm=rms_norm, add_rms_norm=add_rms_norm, norm_rope=norm_rope, gated_rms_norm=gated_rms_norm)

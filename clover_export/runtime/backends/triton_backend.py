@@ -85,7 +85,7 @@ class KernelMoE:
 def kernel_cores(moe: KernelMoE) -> Cores:
     from clover_export.plugins.triton import ops
 
-    return Cores(gdn=ops.block_gdn, attention=ops.block_attention, moe=moe)
+    return Cores(gdn=ops.block_gdn, attention=ops.block_attention, moe=moe, **ops.GLUE)
 
 
 class TritonBackend:
