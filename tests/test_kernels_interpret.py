@@ -251,7 +251,7 @@ def glue_case(dtype="float32", seed=11):
     r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dt)  # noqa: E731
     B, T, H, hd, rot, D, eps = 2, 3, 3, 24, 8, 40, 1e-6
     h, res, w = r(B, T, D, sc=30.0), r(B, T, D), r(D, sc=0.2)
-    q, _gate = r(B, T, H, 2 * hd).chunk(2, dim=-1)  # strided rows, as Attention's q
+    q, _gate = r(B, T, H, 2 * hd).chunk(2, dim=-1)  # strided rows, as Attention's q and gate
     wq, o, z, wo = r(hd, sc=0.2), r(B, T, H, hd, sc=1e-3), r(B, T, H, hd), r(hd)
     cos, sin = (x.to(dt) for x in F.rope_cos_sin(torch.arange(B * T).view(B, T) * 7, rot, 1e4, torch.float32))
     if dtype == "float32":
@@ -266,14 +266,22 @@ def glue_case(dtype="float32", seed=11):
         check(got, want, f"add_rms_norm {what}")
     check(ops.norm_rope(q, wq, eps, cos, sin), F.norm_rope(q, wq, eps, cos, sin), "norm_rope")
     check(ops.gated_rms_norm(o, z, wo, eps), F.gated_rms_norm(o, z, wo, eps), "gated_rms_norm")
+    check(ops.sigmoid_gate(z, _gate), F.sigmoid_gate(z, _gate), "sigmoid_gate (strided gate rows)")
+    g_, u_, sg = r(B, T, 2 * D, sc=3.0), r(B, T, 2 * D), r(B, T, 1, sc=2.0)
+    check(ops.swiglu(g_, u_), F.swiglu(g_, u_), "swiglu")
+    check(ops.gated_residual(h, sg, res), F.gated_residual(h, sg, res), "gated_residual")
 
 
 def model_case():
-    """A whole tiny step through `cuda_cores` (in-place twins) and the functional ops, kernels on the CPU."""
+    """A whole tiny step through `cuda_cores` (in-place twins), with the fused glue, and the functional ops,
+    kernels on the CPU."""
+    import dataclasses
+
     import torch
 
     from clover_export.model.model import CloverModel, allocate_pools, init_random_
     from clover_export.plugins import cuda_ops, torch_ops
+    from clover_export.plugins.triton import ops
     from clover_export.tiny import tiny_config
 
     cfg = tiny_config(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
@@ -290,6 +298,9 @@ def model_case():
         model.cores = cuda_ops.cuda_cores("cpu")
         mine = {n: p.clone() for n, p in pools.items()}
         got = model.step(inputs, mine)
+        model.cores = dataclasses.replace(cuda_ops.cuda_cores("cpu"), **ops.GLUE)  # + the fused glue (triton backend)
+        glued = {n: p.clone() for n, p in pools.items()}
+        glue = model.step(inputs, glued)
         model.cores = torch_ops.export_cores()  # functional ops, CPU kernels registered above
         kept = {n: p.clone() for n, p in pools.items()}
         fun = model.step(inputs, kept)
@@ -300,6 +311,9 @@ def model_case():
         _close(fun[2][n], want[2][n], f"functional {n}")
         assert torch.equal(kept[n], pools[n]), f"the functional op changed its input pool {n}"
     _close(fun[0], want[0], "functional logits")
+    _close(glue[0], want[0], "logits with the fused glue")
+    for n in pools:
+        _close(glued[n], want[2][n], f"fused glue {n}")
 
 
 CASES = {

@@ -32,6 +32,20 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     return apply_partial_rope(rms_norm(x, weight, eps), cos, sin)
 
 
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Attention's output gate, o [B, T, H, hd] * sigmoid(gate) (same shape), in the model dtype."""
+    return o * torch.sigmoid(gate)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+def gated_residual(routed: torch.Tensor, shared_gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """The sparse MoE block's output: routed + sigmoid(shared_gate [.., 1]) * shared expert."""
+    return routed + torch.sigmoid(shared_gate) * shared
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from clover_export import names
 from clover_export.config import CloverConfig
 from clover_export.model.attention import attention_core
-from clover_export.model.functional import apply_partial_rope, gated_rms_norm, rms_norm, rope_cos_sin
+from clover_export.model.functional import (apply_partial_rope, gated_residual, gated_rms_norm, rms_norm, rope_cos_sin,
+                                            swiglu)
 from clover_export.model.gdn import gdn_core
 from clover_export.model.moe import moe_core
 
@@ -39,6 +39,9 @@ class Cores:
     add_rms_norm: Callable | None = None
     norm_rope: Callable | None = None
     gated_rms_norm: Callable | None = None
+    sigmoid_gate: Callable | None = None
+    swiglu: Callable | None = None
+    gated_residual: Callable | None = None
 
 
 OP_CORES = ("gdn", "attention", "moe")  # the Cores fields that are custom ops (the rest is glue)
@@ -127,7 +130,10 @@ class Attention(nn.Module):
         o, key_pool, value_pool = cores.attention(
             q, k, v, key_pool, value_pool, step.slot_ids, step.past_len, step.n_causal, block_size, hd**-0.5
         )
-        o = o.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        if cores.sigmoid_gate is None:
+            o = o.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        else:
+            o = cores.sigmoid_gate(o, gate).reshape(B, T, -1)
         return self.o_proj(o), key_pool, value_pool
 
 
@@ -144,8 +150,8 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = linear(D, I), linear(D, I), linear(I, D)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, fused_swiglu=None):
+        return self.down_proj((fused_swiglu or swiglu)(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoe(nn.Module):
@@ -163,7 +169,8 @@ class SparseMoe(nn.Module):
             x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
             cfg.num_experts_per_tok, cfg.moe_block_coreset_top_p, cfg.moe_block_coreset_enabled, block_size,
         )
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), distinct
+        shared = self.shared_expert(x, cores.swiglu)
+        return (cores.gated_residual or gated_residual)(routed, self.shared_expert_gate(x), shared), distinct
 
 
 class DecoderLayer(nn.Module):

@@ -294,6 +294,18 @@ def glue_variants(cfg, dtype: str = "bfloat16") -> list[Variant]:
     out.append(Variant(f"Glue.gated_rms_norm.{a}", "norms", "gated_rms_norm_kernel",
                        {"o": f"*{a}", "z": f"*{a}", "w": f"*{a}", "y": f"*{a}", "R": "i32", "eps": "fp32"},
                        dict(c, D=cfg.linear_value_head_dim), o, "(cdiv(R, ROWS), 1, 1)"))
+    c, o = tiles(cfg.head_dim)
+    out.append(Variant(f"Glue.sigmoid_gate.{a}", "norms", "sigmoid_gate_kernel",
+                       {"o": f"*{a}", "g": f"*{a}", "y": f"*{a}", "R": "i32", "g_stride": "i32"},
+                       dict(c, D=cfg.head_dim), o, "(cdiv(R, ROWS), 1, 1)"))
+    c, o = tiles(cfg.shared_expert_intermediate_size)
+    out.append(Variant(f"Glue.swiglu.{a}", "norms", "swiglu_kernel",
+                       {"g": f"*{a}", "u": f"*{a}", "y": f"*{a}", "R": "i32"},
+                       dict(c, D=cfg.shared_expert_intermediate_size), o, "(cdiv(R, ROWS), 1, 1)"))
+    c, o = tiles(cfg.hidden_size)
+    out.append(Variant(f"Glue.gated_residual.{a}", "norms", "gated_residual_kernel",
+                       {"r": f"*{a}", "sg": f"*{a}", "s": f"*{a}", "y": f"*{a}", "R": "i32"},
+                       dict(c, D=cfg.hidden_size), o, "(cdiv(R, ROWS), 1, 1)"))
     return out
 
 

@@ -1,4 +1,5 @@
-"""The glue between the custom ops, fused (issue 15: RMSNorm + residual, q/k-norm + RoPE, gated RMSNorm).
+"""The glue between the custom ops, fused (issue 15: RMSNorm + residual, q/k-norm + RoPE, gated RMSNorm,
+attention's output gate, the shared expert's SwiGLU and its gated sum with the routed experts).
 
 Semantics are those of `clover_export.model.functional` (rms_norm, add_rms_norm, norm_rope,
 gated_rms_norm), including where they round to the model dtype; the torch path
@@ -87,3 +88,42 @@ def gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, R, eps,
     y = (of * _inv_rms(of, eps, D)[:, None]).to(dt).to(tl.float32)
     wy = (w[None, :] * y).to(dt).to(tl.float32)
     tl.store(y_ptr + r64[:, None] * D + d[None, :], (wy * (z * tl.sigmoid(z))).to(dt), mask=m)
+
+
+@triton.jit
+def sigmoid_gate_kernel(o_ptr, g_ptr, y_ptr, R, g_stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        ROWS: tl.constexpr):
+    """Attention's output gate: o * sigmoid(gate), the sigmoid and the product each rounded to the model dtype;
+    gate rows may be strided (q_proj's interleaved gate rows)."""
+    rows, d, m = _rows(tl.program_id(0), R, ROWS, BLOCK_D, D)
+    r64 = rows.to(tl.int64)
+    dt = y_ptr.dtype.element_ty
+    o = tl.load(o_ptr + r64[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r64[:, None] * g_stride + d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + r64[:, None] * D + d[None, :], (o * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt), mask=m)
+
+
+@triton.jit
+def swiglu_kernel(g_ptr, u_ptr, y_ptr, R, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """The shared expert's silu(gate) * up, each rounded to the model dtype as torch's two ops."""
+    rows, d, m = _rows(tl.program_id(0), R, ROWS, BLOCK_D, D)
+    off = rows.to(tl.int64)[:, None] * D + d[None, :]
+    dt = y_ptr.dtype.element_ty
+    g = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + off, ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt), mask=m)
+
+
+@triton.jit
+def gated_residual_kernel(r_ptr, sg_ptr, s_ptr, y_ptr, R, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ROWS: tl.constexpr):
+    """The MoE's output: routed + sigmoid(shared gate) * shared expert, one row scalar gate; the sigmoid, the
+    product and the sum each rounded to the model dtype as torch's three ops."""
+    rows, d, m = _rows(tl.program_id(0), R, ROWS, BLOCK_D, D)
+    off = rows.to(tl.int64)[:, None] * D + d[None, :]
+    dt = y_ptr.dtype.element_ty
+    sg = tl.load(sg_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)
+    gate = tl.sigmoid(sg).to(dt).to(tl.float32)
+    s = tl.load(s_ptr + off, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + off, (r + (gate[:, None] * s).to(dt).to(tl.float32)).to(dt), mask=m)

@@ -356,4 +356,42 @@ def gated_rms_norm(o, z, weight, eps: float):
     return y
 
 
-GLUE = dict(rms_norm=rms_norm, add_rms_norm=add_rms_norm, norm_rope=norm_rope, gated_rms_norm=gated_rms_norm)
+def sigmoid_gate(o, gate):
+    """`functional.sigmoid_gate` in one kernel: o [B, T, H, hd] contiguous rows, gate rows may be strided."""
+    D = o.shape[-1]
+    R = o.numel() // D if D else 0
+    o = o.contiguous()
+    gate, gs = _rows_of(gate)
+    y = torch.empty_like(o)
+    if R:
+        kern, grid, tiles, opts = _norm_launch(o, R)
+        kern.sigmoid_gate_kernel[grid](o, gate, y, R, gs, D=D, **tiles, **opts, **_FUSION)
+    return y
+
+
+def swiglu(g, u):
+    """`functional.swiglu` in one kernel."""
+    D = g.shape[-1]
+    R = g.numel() // D if D else 0
+    g, u = g.contiguous(), u.contiguous()
+    y = torch.empty_like(g)
+    if R:
+        kern, grid, tiles, opts = _norm_launch(g, R)
+        kern.swiglu_kernel[grid](g, u, y, R, D=D, **tiles, **opts, **_FUSION)
+    return y
+
+
+def gated_residual(routed, shared_gate, shared):
+    """`functional.gated_residual` in one kernel: shared_gate [..., 1] is one gate per row."""
+    D = routed.shape[-1]
+    R = routed.numel() // D if D else 0
+    routed, shared_gate, shared = routed.contiguous(), shared_gate.contiguous(), shared.contiguous()
+    y = torch.empty_like(routed)
+    if R:
+        kern, grid, tiles, opts = _norm_launch(routed, R)
+        kern.gated_residual_kernel[grid](routed, shared_gate, shared, y, R, D=D, **tiles, **opts, **_FUSION)
+    return y
+
+
+GLUE = dict(rms_norm=rms_norm, add_rms_norm=add_rms_norm, norm_rope=norm_rope, gated_rms_norm=gated_rms_norm,
+            sigmoid_gate=sigmoid_gate, swiglu=swiglu, gated_residual=gated_residual)
