@@ -185,19 +185,17 @@ SCENARIOS = [  # PERF.md 1; C causal rows, N block rows per batch row
 # norm, else torch), align (count + place kernels, else torch.sort + searchsorted), kv_first (the step's K/V
 # written before the attention launch), a8 (FP8 experts w8a8), moe_tiles / attn_tiles (tile overrides),
 # attn_split_rule (launch.attention_splits_waves: FlashAttention's split count).
+PRODUCT = dict(gdn_split=True, glue=True, align=True, kv_first=True)  # the triton backend (FP8_W8A8 aside)
 VARIANTS = {
-    "baseline": dict(kv_first=False),
-    "gdn_split": dict(gdn_split=True, kv_first=False),
-    "glue": dict(glue=True, kv_first=False),
-    "align": dict(align=True, kv_first=False),
-    "kv_first": dict(kv_first=True),
-    "product": dict(gdn_split=True, glue=True, align=True, kv_first=True),  # the triton backend (FP8_W8A8 aside)
-    # tile-table candidates on top of the product (issue 15: larger down-projection tiles, attention BLOCK_M 128)
-    "product_down_n128": dict(gdn_split=True, glue=True, align=True, kv_first=True, moe_tiles={"BLOCK_N2": 128}),
-    "product_attn_m128": dict(gdn_split=True, glue=True, align=True, kv_first=True, attn_tiles=(128, 64, 8, 2)),
-    "product_attn_waves": dict(gdn_split=True, glue=True, align=True, kv_first=True, attn_split_rule="waves"),
+    "baseline": {},
+    **{flag: {flag: True} for flag in PRODUCT},  # each change alone
+    "product": PRODUCT,
+    # candidates on top of the product (issue 15: larger down-projection tiles, attention BLOCK_M 128, FA's splits)
+    "product_down_n128": dict(PRODUCT, moe_tiles={"BLOCK_N2": 128}),
+    "product_attn_m128": dict(PRODUCT, attn_tiles=(128, 64, 8, 2)),
+    "product_attn_waves": dict(PRODUCT, attn_split_rule="waves"),
 }
-FP8_VARIANTS = {"product": VARIANTS["product"], "product_w8a8": dict(VARIANTS["product"], a8=True)}
+FP8_VARIANTS = {"product": PRODUCT, "product_w8a8": dict(PRODUCT, a8=True)}
 DRY_VARIANTS = ("baseline", "product")  # the interpreter is slow: the dry run plays the two ends (CI)
 VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise", "b8_commit_denoise_fp8")
 DRY_VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise_fp8")  # the interpreter is slow: every variant, once
@@ -206,7 +204,7 @@ DRY_VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise_fp8")  # the interpret
 def product_flags() -> dict:
     from clover_export.plugins.triton import launch
 
-    return dict(VARIANTS["product"], a8=launch.FP8_W8A8)
+    return dict(PRODUCT, a8=launch.FP8_W8A8)
 
 
 def variant_cores(flags: dict, fp8_experts: dict | None):

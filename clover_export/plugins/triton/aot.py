@@ -254,11 +254,10 @@ def moe_a8_variants(cfg, dtype: str = "bfloat16", arch: int = 90, pairs: int = 4
     gu, dn = launch.moe_m_grid(gu, dn, cfg.num_experts)
     out = []
     for what, width in (("x", cfg.hidden_size), ("h", cfg.moe_intermediate_size)):
-        t = launch.act_quant_tiles(width)
+        c, o = launch.row_tiles(width)
         out.append(Variant(f"CoresetMoE.act_quant_{what}.{a}", "moe", "act_quant_kernel",
-                           {"x": f"*{a}", "xq": "*fp8e4nv", "xs": "*fp32", "R": "i32"},
-                           dict(D=width, BLOCK_D=t["BLOCK_D"], ROWS=t["ROWS"]),
-                           dict(num_warps=t["num_warps"], num_stages=t["num_stages"]), "(cdiv(R, ROWS), 1, 1)"))
+                           {"x": f"*{a}", "xq": "*fp8e4nv", "xs": "*fp32", "R": "i32"}, dict(c, D=width), o,
+                           "(cdiv(R, ROWS), 1, 1)"))
     out += [
         Variant(f"CoresetMoE.gate_up_a8.{a}.fp8", "moe", "moe_gate_up_a8_kernel",
                 {"xq": "*fp8e4nv", "xs": "*fp32", "gate_up": "*fp8e4nv", "gate_up_scale": "*fp32", "offsets": "*i32",
@@ -273,11 +272,7 @@ def moe_a8_variants(cfg, dtype: str = "bfloat16", arch: int = 90, pairs: int = 4
 def glue_variants(cfg, dtype: str = "bfloat16") -> list[Variant]:
     """The torch path's fused glue (norms.py) at the config's row widths."""
     a = _dt(dtype)
-
-    def tiles(width):
-        t = launch.norm_tiles(width)
-        return dict(BLOCK_D=t["BLOCK_D"], ROWS=t["ROWS"]), dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
-
+    tiles = launch.row_tiles
     out = []
     for res in (False, True):
         c, o = tiles(cfg.hidden_size)

@@ -149,12 +149,13 @@ def gdn_conv_launch(conv_consts: dict) -> dict:
     return dict(num_warps=8 if conv_consts["CP"] * conv_consts["RT"] >= 4096 else 4, num_stages=1)
 
 
-# ---------------------------------------------------------------- fused glue (norms.py)
-def norm_tiles(hidden: int) -> dict:
-    """BLOCK_D covers a row; ROWS rows per program, ~4K elements per tile; 8 warps from 4K elements."""
-    block_d = max(16, next_pow2(hidden))
+# ---------------------------------------------------------------- row kernels (norms.py glue, moe.act_quant_kernel)
+def row_tiles(width: int) -> tuple[dict, dict]:
+    """(constexprs, launch options) of a kernel over rows of `width`: BLOCK_D covers a row; ROWS rows per
+    program, ~4K elements per tile; 8 warps from 4K elements."""
+    block_d = max(16, next_pow2(width))
     rows = max(1, min(16, 4096 // block_d))
-    return dict(BLOCK_D=block_d, ROWS=rows, num_warps=8 if block_d * rows >= 4096 else 4, num_stages=1)
+    return dict(BLOCK_D=block_d, ROWS=rows), dict(num_warps=8 if block_d * rows >= 4096 else 4, num_stages=1)
 
 
 # ---------------------------------------------------------------- BlockAttention
@@ -258,12 +259,6 @@ def moe_a8_block_m(pairs: int, num_experts: int, arch: int) -> int:
     """Pairs per tile of the w8a8 GEMMs: from sm_90 on, 64 (Triton gives e4m3 operands to wgmma only for 64-row
     tiles; at 16 it widens them to fp16 for mma.sync, the conversion w8a8 exists to avoid; checked in the PTX)."""
     return 64 if arch >= 90 else moe_block_m(pairs, num_experts)
-
-
-def act_quant_tiles(width: int) -> dict:
-    block_d = max(16, next_pow2(width))
-    rows = max(1, min(16, 4096 // block_d))
-    return dict(BLOCK_D=block_d, ROWS=rows, num_warps=8 if block_d * rows >= 4096 else 4, num_stages=1)
 
 
 MOE_ROUTE_LAUNCH = dict(num_warps=8, num_stages=1)  # [rows, E] fp32 tiles: 8 warps keep them out of local memory

@@ -259,17 +259,25 @@ def moe_align(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x [R, W] -> (e4m3 [R, W], fp32 scale [R]) with x ~ xq * scale (moe.py `act_quant_kernel`)."""
-    from clover_export.plugins.triton import moe as kern
-
     R, W = x.shape
     xq = torch.empty(R, W, dtype=torch.float8_e4m3fn, device=x.device)
     xs = torch.empty(R, dtype=torch.float32, device=x.device)
-    if R:
-        t = launch.act_quant_tiles(W)
-        kern.act_quant_kernel[(launch.cdiv(R, t["ROWS"]),)](x.contiguous(), xq, xs, R, D=W, BLOCK_D=t["BLOCK_D"],
-                                                             ROWS=t["ROWS"], num_warps=t["num_warps"],
-                                                             num_stages=t["num_stages"], **_FUSION)
+    _row_launch("moe.act_quant_kernel", (x.contiguous(), xq, xs), (), x)
     return xq, xs
+
+
+def _row_launch(kernel: str, ptrs: tuple, scalars: tuple, like: torch.Tensor, **consts) -> None:
+    """Launch a row kernel ("module.name" under plugins/triton: the norms.py glue, moe.act_quant_kernel) over
+    the last-dim rows of `like`: kernel(*ptrs, R, *scalars, D=row width, tiles of launch.row_tiles)."""
+    import importlib
+
+    D = like.shape[-1]
+    R = like.numel() // D if D else 0
+    if R:
+        module, name = kernel.split(".")
+        fn = getattr(importlib.import_module(f"clover_export.plugins.triton.{module}"), name)
+        c, opts = launch.row_tiles(D)
+        fn[(launch.cdiv(R, c["ROWS"]),)](*ptrs, R, *scalars, D=D, **c, **consts, **opts, **_FUSION)
 
 
 # ---------------------------------------------------------------- fused glue (norms.py)
@@ -295,101 +303,64 @@ def _rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, stride
 
 
-def _norm_launch(x: torch.Tensor, rows: int):
-    from clover_export.plugins.triton import norms as kern
-
-    t = launch.norm_tiles(x.shape[-1])
-    tiles = dict(BLOCK_D=t["BLOCK_D"], ROWS=t["ROWS"])
-    return kern, (launch.cdiv(rows, t["ROWS"]),), tiles, dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
-
-
 def rms_norm(x, weight, eps: float):
     """`functional.rms_norm` in one kernel."""
-    D = x.shape[-1]
-    R = x.numel() // D if D else 0
     x, stride = _rows_of(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if R:
-        kern, grid, tiles, opts = _norm_launch(x, R)
-        kern.rms_norm_kernel[grid](x, x, weight.contiguous(), y, y, R, stride, 0, float(eps), D=D, HAS_RES=False,
-                                   **tiles, **opts, **_FUSION)
+    _row_launch("norms.rms_norm_kernel", (x, x, weight.contiguous(), y, y), (stride, 0, float(eps)), x, HAS_RES=False)
     return y
 
 
 def add_rms_norm(h, r, weight, eps: float):
     """`functional.add_rms_norm` in one kernel: (h + r, rms_norm(h + r))."""
-    D = h.shape[-1]
-    R = h.numel() // D if D else 0
     h, hs = _rows_of(h)
     r, rs = _rows_of(r)
     s = torch.empty(h.shape, dtype=torch.promote_types(h.dtype, r.dtype), device=h.device)
     y = torch.empty_like(s)
-    if R:
-        kern, grid, tiles, opts = _norm_launch(h, R)
-        kern.rms_norm_kernel[grid](h, r, weight.contiguous(), y, s, R, hs, rs, float(eps), D=D, HAS_RES=True,
-                                   **tiles, **opts, **_FUSION)
+    _row_launch("norms.rms_norm_kernel", (h, r, weight.contiguous(), y, s), (hs, rs, float(eps)), h, HAS_RES=True)
     return s, y
 
 
 def norm_rope(x, weight, eps: float, cos, sin):
     """`functional.norm_rope` in one kernel: x [B, T, heads, hd] (rows may be strided), cos/sin [B, T, rot]."""
     B, T, H, D = x.shape
-    R = B * T * H
     x, stride = _rows_of(x)
     y = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
-    if R:
-        kern, grid, tiles, opts = _norm_launch(x, R)
-        kern.norm_rope_kernel[grid](x, weight.contiguous(), cos.contiguous(), sin.contiguous(), y, R, stride, H,
-                                    float(eps), D=D, ROT=cos.shape[-1], **tiles, **opts, **_FUSION)
+    _row_launch("norms.norm_rope_kernel", (x, weight.contiguous(), cos.contiguous(), sin.contiguous(), y),
+                (stride, H, float(eps)), x, ROT=cos.shape[-1])
     return y
 
 
 def gated_rms_norm(o, z, weight, eps: float):
     """`functional.gated_rms_norm` in one kernel."""
-    D = o.shape[-1]
-    R = o.numel() // D if D else 0
     o, z = o.contiguous(), z.contiguous()
     y = torch.empty_like(o)
-    if R:
-        kern, grid, tiles, opts = _norm_launch(o, R)
-        kern.gated_rms_norm_kernel[grid](o, z, weight.contiguous(), y, R, float(eps), D=D, **tiles, **opts, **_FUSION)
+    _row_launch("norms.gated_rms_norm_kernel", (o, z, weight.contiguous(), y), (float(eps),), o)
     return y
 
 
 def sigmoid_gate(o, gate):
     """`functional.sigmoid_gate` in one kernel: o [B, T, H, hd] contiguous rows, gate rows may be strided."""
-    D = o.shape[-1]
-    R = o.numel() // D if D else 0
     o = o.contiguous()
     gate, gs = _rows_of(gate)
     y = torch.empty_like(o)
-    if R:
-        kern, grid, tiles, opts = _norm_launch(o, R)
-        kern.sigmoid_gate_kernel[grid](o, gate, y, R, gs, D=D, **tiles, **opts, **_FUSION)
+    _row_launch("norms.sigmoid_gate_kernel", (o, gate, y), (gs,), o)
     return y
 
 
 def swiglu(g, u):
     """`functional.swiglu` in one kernel."""
-    D = g.shape[-1]
-    R = g.numel() // D if D else 0
     g, u = g.contiguous(), u.contiguous()
     y = torch.empty_like(g)
-    if R:
-        kern, grid, tiles, opts = _norm_launch(g, R)
-        kern.swiglu_kernel[grid](g, u, y, R, D=D, **tiles, **opts, **_FUSION)
+    _row_launch("norms.swiglu_kernel", (g, u, y), (), g)
     return y
 
 
 def gated_residual(routed, shared_gate, shared):
     """`functional.gated_residual` in one kernel: shared_gate [..., 1] is one gate per row."""
-    D = routed.shape[-1]
-    R = routed.numel() // D if D else 0
     routed, shared_gate, shared = routed.contiguous(), shared_gate.contiguous(), shared.contiguous()
     y = torch.empty_like(routed)
-    if R:
-        kern, grid, tiles, opts = _norm_launch(routed, R)
-        kern.gated_residual_kernel[grid](routed, shared_gate, shared, y, R, D=D, **tiles, **opts, **_FUSION)
+    _row_launch("norms.gated_residual_kernel", (routed, shared_gate, shared, y), (), routed)
     return y
 
 
