@@ -185,7 +185,9 @@ SCENARIOS = [  # PERF.md 1; C causal rows, N block rows per batch row
 # norm, else torch), align (count + place kernels, else torch.sort + searchsorted), kv_first (the step's K/V
 # written before the attention launch), a8 (FP8 experts w8a8), moe_tiles / attn_tiles (tile overrides),
 # attn_split_rule (launch.attention_splits_waves: FlashAttention's split count).
-PRODUCT = dict(gdn_split=True, glue=True, align=True, kv_first=True)  # the triton backend (FP8_W8A8 aside)
+# the triton backend (FP8_W8A8 aside); shared_moe (the shared expert as expert E of the grouped GEMMs, BF16 steps
+# only) groups the pairs with the align kernels whatever `align` says
+PRODUCT = dict(gdn_split=True, glue=True, align=True, kv_first=True, shared_moe=True)
 VARIANTS = {
     "baseline": {},
     **{flag: {flag: True} for flag in PRODUCT},  # each change alone
@@ -226,8 +228,11 @@ def variant_cores(flags: dict, fp8_experts: dict | None):
 
     attention = partial(ops.block_attention, kv_first=bool(flags.get("kv_first")), tiles=flags.get("attn_tiles"),
                         split_rule=flags.get("attn_split_rule", "two_waves"))
+    block = None
+    if flags.get("shared_moe") and fp8_experts is None:
+        block = partial(ops.moe_block, tiles=flags.get("moe_tiles"))
     return Cores(gdn=partial(ops.block_gdn, split=bool(flags.get("gdn_split"))), attention=attention,
-                 moe=moe, **(ops.GLUE if flags.get("glue") else {}))
+                 moe=moe, moe_block=block, **(ops.GLUE if flags.get("glue") else {}))
 
 
 class Step:

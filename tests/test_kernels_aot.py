@@ -94,7 +94,8 @@ def test_tiny_variants_compile_for_sm90():
 
 def _real_variants(arch: int) -> list[aot.Variant]:
     out = ([aot.gdn_variant(REAL), aot.attention_variant(REAL, arch=arch)] + aot.moe_variants(REAL, arch=arch)
-           + aot.gdn_split_variants(REAL) + aot.attention_torch_variants(REAL, arch=arch))
+           + aot.gdn_split_variants(REAL) + aot.attention_torch_variants(REAL, arch=arch)
+           + aot.moe_shared_variants(REAL, arch=arch))
     if arch in launch.FP8_ARCHS:
         out += [v for v in aot.moe_variants(REAL, fp8=True, arch=arch) if ".fp8" in v.key]
     if arch == 90:  # the other dtype combinations TensorRT may ask for; the delta kernel's other dv tile
@@ -261,3 +262,26 @@ def test_m_block_grid_covers_every_tile():
         assert launch.moe_grids(E, 1, P, gu, dn)["gate_up"][0] == launch.moe_m_tiles(P, E, bm)
 
     check()
+
+
+def test_shared_expert_joins_the_grouped_gemms_where_it_can():
+    """The triton backend runs the shared expert as expert E of the grouped GEMMs (ops.moe_block) when it has the
+    routed experts' width and dtype: Clover-35B-A3B yes; FP8 experts or the tiny default (64 vs 32) no."""
+    import torch
+
+    from clover_export.plugins.triton import ops
+    from clover_export.runtime.backends.fp8_experts import Fp8Experts
+    from clover_export.runtime.backends.triton_backend import KernelMoE, kernel_cores
+
+    assert REAL.moe_intermediate_size == REAL.shared_expert_intermediate_size == 512
+    assert kernel_cores(KernelMoE(None), REAL).moe_block is not None
+    assert kernel_cores(KernelMoE(Fp8Experts()), REAL).moe_block is None
+    assert kernel_cores(KernelMoE(None), tiny_config()).moe_block is None
+    assert kernel_cores(KernelMoE(None)).moe_block is None
+    x, idx, w = torch.zeros(1, 2, 8), torch.zeros(1, 2, 1, dtype=torch.int32), torch.ones(1, 2, 1)
+    gu, dn = torch.zeros(3, 8, 8), torch.zeros(3, 8, 4)
+    bad = {"width": (torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8), w[..., 0]),
+           "dtype": (torch.zeros(4, 8).half(), torch.zeros(4, 8), torch.zeros(8, 4), w[..., 0])}
+    for what, shared in bad.items():
+        with pytest.raises(ValueError, match="shared expert"):
+            ops.moe_experts(x, idx, w, gu, dn, shared=shared)

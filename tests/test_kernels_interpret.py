@@ -135,6 +135,38 @@ def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=
     return info
 
 
+def moe_shared_case(B=2, Tc=66, N=8, D=32, E=8, I=16, k=2, seed=15):
+    """The whole MoE block with the shared expert as expert E of the grouped GEMMs (ops.moe_block) against
+    `moe_core` + `SharedExpert` + `gated_residual`: 148 tokens, so the shared segment spans two place-kernel
+    programs and several M tiles; one batch row has padding causal rows (no routed expert: the shared part only)."""
+    import torch
+    import torch.nn.functional as F
+
+    from clover_export.model.functional import gated_residual, swiglu
+    from clover_export.model.moe import moe_core
+    from clover_export.plugins.triton.ops import moe_block
+
+    g = torch.Generator().manual_seed(seed)
+    T = Tc + N
+    x = torch.randn(B, T, D, generator=g)
+    rw = torch.randn(E, D, generator=g) * 0.5
+    gu, dn = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5, torch.randn(E, D, I, generator=g) / I ** 0.5
+    sg, su, sd = torch.randn(I, D, generator=g) / D ** 0.5, torch.randn(I, D, generator=g), torch.randn(D, I, generator=g)
+    gw = torch.randn(1, D, generator=g)
+    routed, want_size = moe_core(x, rw, gu, dn, k, 0.9, True, N)
+    shared = F.linear(swiglu(F.linear(x, sg), F.linear(x, su)), sd)
+    want = gated_residual(routed, F.linear(x, gw), shared)
+    nc = torch.tensor([Tc, 5], dtype=torch.int32)
+    got, size = moe_block(x, rw, gu, dn, sg, su, sd, gw, k, 0.9, True, N, n_causal=nc)
+    assert size.tolist() == want_size.tolist(), (size, want_size)
+    _close(got[0], want[0], "batch row 0")
+    _close(got[1, :5], want[1, :5], "batch row 1, causal rows")
+    _close(got[1, Tc:], want[1, Tc:], "batch row 1, block rows")
+    only_shared = torch.sigmoid(F.linear(x, gw)) * shared
+    _close(got[1, 5:Tc], only_shared[1, 5:Tc], "batch row 1, padding rows: shared part only")
+    return {"tokens": B * T}
+
+
 def moe_fp8_f16_case(act_dtype="float32", seed=7, B=2, Tc=3, N=5, D=64, E=8, I=32, k=2):
     """FP8 experts on fp16 dots (F16_DOT, per-row power-of-two scaling): each routed row within fp16 rounding
     of the float64 reference, rows far outside fp16's range (1e6 x: overflow, 1e-3 x: subnormals) included."""
@@ -284,7 +316,8 @@ def model_case():
     from clover_export.plugins.triton import ops
     from clover_export.tiny import tiny_config
 
-    cfg = tiny_config(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    cfg = tiny_config(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                      shared_expert_intermediate_size=32)  # the routed experts' width: moe_block can fuse it
     model = init_random_(CloverModel(cfg, block_size=4), seed=3).eval()
     g = torch.Generator().manual_seed(5)
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
@@ -298,7 +331,8 @@ def model_case():
         model.cores = cuda_ops.cuda_cores("cpu")
         mine = {n: p.clone() for n, p in pools.items()}
         got = model.step(inputs, mine)
-        model.cores = dataclasses.replace(cuda_ops.cuda_cores("cpu"), **ops.GLUE)  # + the fused glue (triton backend)
+        # + the fused glue and the shared expert in the grouped GEMMs (the triton backend's Cores)
+        model.cores = dataclasses.replace(cuda_ops.cuda_cores("cpu"), **ops.GLUE, moe_block=ops.moe_block)
         glued = {n: p.clone() for n, p in pools.items()}
         glue = model.step(inputs, glued)
         model.cores = torch_ops.export_cores()  # functional ops, CPU kernels registered above
@@ -311,7 +345,8 @@ def model_case():
         _close(fun[2][n], want[2][n], f"functional {n}")
         assert torch.equal(kept[n], pools[n]), f"the functional op changed its input pool {n}"
     _close(fun[0], want[0], "functional logits")
-    _close(glue[0], want[0], "logits with the fused glue")
+    _close(glue[0], want[0], "logits with the fused glue and MoE block")
+    assert torch.equal(glue[1], want[1]), "coreset_size with the MoE block"
     for n in pools:
         _close(glued[n], want[2][n], f"fused glue {n}")
 
@@ -347,6 +382,7 @@ CASES = {
     "moe_fp8": lambda: moe_case(fp8=True, seed=6),
     "moe_fp8_w8a8": moe_w8a8_case,
     "moe_align_atomic": moe_align_case,
+    "moe_block_shared_expert": moe_shared_case,
     "moe_tie_full_p": lambda: moe_tie_case(1.0),
     "moe_tie_p_below_1": lambda: moe_tie_case(1 - 2.0**-24),
     "moe_fp8_f16_dot_extreme_rows": lambda: moe_fp8_f16_case(),

@@ -42,6 +42,7 @@ class Cores:
     sigmoid_gate: Callable | None = None
     swiglu: Callable | None = None
     gated_residual: Callable | None = None
+    moe_block: Callable | None = None  # the whole SparseMoe (routed + gated shared expert) in one core
 
 
 OP_CORES = ("gdn", "attention", "moe")  # the Cores fields that are custom ops (the rest is glue)
@@ -165,6 +166,13 @@ class SparseMoe(nn.Module):
 
     def forward(self, x, block_size: int, cores: Cores):
         cfg = self.cfg
+        if cores.moe_block is not None:
+            s = self.shared_expert
+            return cores.moe_block(
+                x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, s.gate_proj.weight,
+                s.up_proj.weight, s.down_proj.weight, self.shared_expert_gate.weight, cfg.num_experts_per_tok,
+                cfg.moe_block_coreset_top_p, cfg.moe_block_coreset_enabled, block_size,
+            )
         routed, distinct = cores.moe(
             x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
             cfg.num_experts_per_tok, cfg.moe_block_coreset_top_p, cfg.moe_block_coreset_enabled, block_size,

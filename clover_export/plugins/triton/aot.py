@@ -230,17 +230,44 @@ def moe_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: in
                  "order": "*i32", "y": f"*{a}"}, dn, opts, "(E, cdiv(D, BLOCK_N), 1)"),
         Variant(f"CoresetMoE.combine.{a}", "moe", "moe_combine_kernel",
                 {"y": f"*{a}", "idx": "*i32", "out": f"*{a}"},
-                dict(D=cfg.hidden_size, E=cfg.num_experts, K=cfg.num_experts_per_tok,
-                     KP=launch.next_pow2(cfg.num_experts_per_tok), BLOCK_D=256),
+                launch.moe_combine_constexprs(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok),
                 launch.MOE_SMALL_LAUNCH, "(B*T, cdiv(D, 256), 1)"),
         Variant("CoresetMoE.count", "moe", "moe_count_kernel",
                 {"idx": "*i32", "P": "i32", "counts": "*i32", "rank": "*i32"},
                 dict(E=cfg.num_experts, BLOCK=launch.MOE_ALIGN_BLOCK), launch.MOE_SMALL_LAUNCH,
                 "(cdiv(P, BLOCK), 1, 1)"),
-        Variant("CoresetMoE.place", "moe", "moe_place_kernel",
-                {"idx": "*i32", "P": "i32", "counts": "*i32", "rank": "*i32", "offsets": "*i32", "order": "*i32"},
-                dict(E=cfg.num_experts, EP1=launch.next_pow2(cfg.num_experts + 1), BLOCK=launch.MOE_ALIGN_BLOCK),
+        Variant("CoresetMoE.place", "moe", "moe_place_kernel", _PLACE_SIG, launch.moe_place_constexprs(cfg.num_experts),
                 launch.MOE_SMALL_LAUNCH, "(cdiv(P, BLOCK), 1, 1)"),
+    ]
+
+
+_PLACE_SIG = {"idx": "*i32", "P": "i32", "R": "i32", "counts": "*i32", "rank": "*i32", "offsets": "*i32",
+              "order": "*i32"}
+
+
+def moe_shared_variants(cfg, dtype: str = "bfloat16", arch: int = 90, pairs: int = 4096) -> list[Variant]:
+    """The torch path's MoE block with the shared expert as expert E of the grouped GEMMs (ops.moe_block):
+    place (its segment), gate_up / down on the M-block grid, combine (its row)."""
+    a = _dt(dtype)
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    rows = pairs // K
+    block_m = launch.moe_block_m(pairs + rows, E + 1)
+    gu, dn, opts = launch.moe_gemm_constexprs(cfg.hidden_size, cfg.moe_intermediate_size, K, block_m, False, dtype,
+                                              arch)
+    gu, dn = launch.moe_m_grid(gu, dn, E + 1)
+    return [
+        Variant("CoresetMoE.place_shared", "moe", "moe_place_kernel", _PLACE_SIG,
+                launch.moe_place_constexprs(E, shared=True), launch.MOE_SMALL_LAUNCH, "(cdiv(P, BLOCK), 1, 1)"),
+        Variant(f"CoresetMoE.gate_up_shared.{a}", "moe", "moe_gate_up_shared_kernel",
+                {"x": f"*{a}", "gate_up": f"*{a}", "shared_gate": f"*{a}", "shared_up": f"*{a}", "offsets": "*i32",
+                 "order": "*i32", "h": f"*{a}"}, gu, opts, "(M tiles, cdiv(I, BLOCK_N), 1)"),
+        Variant(f"CoresetMoE.down_shared.{a}", "moe", "moe_down_shared_kernel",
+                {"h": f"*{a}", "down": f"*{a}", "shared_down": f"*{a}", "w": f"*{a}", "offsets": "*i32",
+                 "order": "*i32", "y": f"*{a}"}, dn, opts, "(M tiles, cdiv(D, BLOCK_N), 1)"),
+        Variant(f"CoresetMoE.combine_shared.{a}", "moe", "moe_combine_kernel",
+                {"y": f"*{a}", "idx": "*i32", "out": f"*{a}"},
+                launch.moe_combine_constexprs(cfg.hidden_size, E, K, shared=True), launch.MOE_SMALL_LAUNCH,
+                "(B*T, cdiv(D, 256), 1)"),
     ]
 
 
@@ -353,7 +380,7 @@ def trt_variants(cfg, arch: int) -> list[Variant]:
 
 def all_variants(cfg, arch: int) -> list[Variant]:
     out = (trt_variants(cfg, arch) + moe_variants(cfg, "bfloat16", False, arch=arch) + gdn_split_variants(cfg)
-           + glue_variants(cfg) + attention_torch_variants(cfg, arch=arch))
+           + glue_variants(cfg) + attention_torch_variants(cfg, arch=arch) + moe_shared_variants(cfg, arch=arch))
     if arch in launch.FP8_ARCHS:
         out += [v for v in moe_variants(cfg, "bfloat16", True, arch=arch) if ".fp8" in v.key]
         out += moe_a8_variants(cfg, arch=arch)

@@ -317,10 +317,12 @@ def moe_route_grid(B: int, T: int, rc: dict) -> tuple:
     return (B, 1 + cdiv(T - rc["N"], rc["BT"]), 1)
 
 
-def moe_grids(num_experts: int, B: int, T: int, gu: dict, dn: dict, block_d: int = 256) -> dict:
+def moe_grids(num_experts: int, B: int, T: int, gu: dict, dn: dict, block_d: int = 256,
+              pairs: int | None = None) -> dict:
+    """`pairs`: the pair rows of the GEMMs when not B*T*K (ops.moe_experts' shared expert adds one per token)."""
     rows = num_experts  # expert grid: one program per expert (and N tile)
     if gu.get("M_GRID"):
-        rows = moe_m_tiles(B * T * gu["K"], num_experts, gu["BLOCK_M"])
+        rows = moe_m_tiles(B * T * gu["K"] if pairs is None else pairs, num_experts, gu["BLOCK_M"])
     return {
         "gate_up": (rows, cdiv(gu["I"], gu["BLOCK_N"]), 1),
         "down": (rows, cdiv(dn["D"], dn["BLOCK_N"]), 1),
@@ -350,8 +352,20 @@ def moe_align_constexprs(num_experts: int, top_k: int) -> dict:
     return dict(E=num_experts, EP1=ep1, K=top_k, BLOCK_P=max(1, min(64, 8192 // ep1)))
 
 
-def moe_combine_constexprs(hidden: int, num_experts: int, top_k: int) -> dict:
-    return dict(D=hidden, E=num_experts, K=top_k, KP=next_pow2(top_k), BLOCK_D=MOE_COMBINE_BLOCK_D)
+def moe_combine_constexprs(hidden: int, num_experts: int, top_k: int, shared: bool = False) -> dict:
+    return dict(D=hidden, E=num_experts, K=top_k, KP=next_pow2(top_k), BLOCK_D=MOE_COMBINE_BLOCK_D, SHARED=shared)
+
+
+def moe_place_constexprs(num_experts: int, shared: bool = False) -> dict:
+    """moe_place_kernel: offsets for E experts (+ the shared expert's segment), [BLOCK, EP1] tiles."""
+    return dict(E=num_experts, EP1=next_pow2(num_experts + 1 + shared), BLOCK=MOE_ALIGN_BLOCK, SHARED=shared)
+
+
+def moe_shared_fusable(routed_inter: int, shared_inter: int, fp8: bool) -> bool:
+    """Whether the torch path runs the shared expert as one more expert of the grouped GEMMs (ops.moe_block):
+    its gate/up/down have the routed experts' shapes (Qwen3.6-35B-A3B: 512 and 512) and dtype. FP8 routed
+    experts keep it apart: the grouped GEMM reads one weight dtype, and the shared expert stays 16-bit."""
+    return routed_inter == shared_inter and not fp8
 
 
 def moe_subop_grid(op: str, B, T, num_experts: int, consts: dict, cdiv=cdiv) -> tuple:

@@ -21,6 +21,15 @@ grouping of the (token, slot) pairs by expert between them (`moe_count_kernel`
    the routing weight, one row per (token, slot) pair.
 4. `moe_combine_kernel`: each token's k rows summed in fp32.
 
+The torch path runs the whole sparse MoE block this way when the shared
+expert has the routed experts' shapes and dtype (`ops.moe_block`,
+`launch.moe_shared_fusable`): the shared expert is segment E of the grouped
+GEMMs (`moe_place_kernel` SHARED: one pair P + t per token t, weighted by
+sigmoid(shared gate)), read through its own pointers
+(`moe_gate_up_shared_kernel` / `moe_down_shared_kernel`), and the combine
+adds its row. Its weights are streamed once per step by the same programs,
+and its three GEMMs, SwiGLU and gated residual are no longer launches of their own.
+
 On TensorRT (`model.trt.onnx`, STEP_GRAPH.md 4) each kernel is one AOT plugin
 (contracts.MOE_SUBOPS) and the torch glue is gone: the router logits are a
 graph MatMul and `moe_align_kernel` (a stable counting sort, one program)
@@ -214,8 +223,19 @@ def moe_gate_up_kernel(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_pt
                        DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """h[pair, n] = silu(x W_g[e]^T) * (x W_u[e]^T), model-dtype rounding as the reference."""
-    _gate_up(x_ptr, x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, HAS_SCALE, BLOCK_M, BLOCK_N,
-             BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP)
+    _gate_up(x_ptr, x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, gu_ptr, gu_ptr, D, I, K, HAS_SCALE,
+             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP, False)
+
+
+@triton.jit
+def moe_gate_up_shared_kernel(x_ptr, gu_ptr, sg_ptr, su_ptr, offsets_ptr, order_ptr, h_ptr,
+                              D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                              M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+    """moe_gate_up_kernel with the shared expert as expert NE - 1: its gate and up rows are sg/su [I, D]."""
+    _gate_up(x_ptr, x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, sg_ptr, su_ptr, D, I, K, False,
+             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, True)
 
 
 @triton.jit
@@ -225,8 +245,8 @@ def moe_gate_up_plain_kernel(x_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr,
                              DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """`clover::MoEGateUp` (no scales): the launch ABI of its contract, inputs then outputs."""
-    _gate_up(x_ptr, x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, False, BLOCK_M, BLOCK_N, BLOCK_K,
-             DOT_PREC, False, False, M_GRID, NE, NEP)
+    _gate_up(x_ptr, x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, gu_ptr, gu_ptr, D, I, K, False, BLOCK_M,
+             BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, False)
 
 
 @triton.jit
@@ -236,26 +256,35 @@ def moe_gate_up_a8_kernel(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, ord
                           DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                           M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """FP8 experts on e4m3 x e4m3 dots (w8a8): xq/xs the tokens quantised by `act_quant_kernel`."""
-    _gate_up(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, D, I, K, HAS_SCALE, BLOCK_M,
-             BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP)
+    _gate_up(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, gu_ptr, gu_ptr, D, I, K, HAS_SCALE,
+             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP, False)
 
 
 @triton.jit
-def _gate_up(x_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
+def _gate_up(x_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, sg_ptr, su_ptr,
              D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-             F16_DOT: tl.constexpr, A8: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+             F16_DOT: tl.constexpr, A8: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
+             SHARED: tl.constexpr):
     e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     dt = h_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     g_rows = e.to(tl.int64) * 2 * I + n
+    g_base = gu_ptr + g_rows[:, None] * D  # [BLOCK_N, 1] row starts of the gate rows, up rows I further
+    u_base = gu_ptr + (g_rows + I)[:, None] * D
+    if SHARED:  # the last expert is the shared expert (its own tensors, same shapes and dtype)
+        sh = e == NE - 1
+        g_base = tl.where(sh, sg_ptr + n.to(tl.int64)[:, None] * D, g_base)
+        u_base = tl.where(sh, su_ptr + n.to(tl.int64)[:, None] * D, u_base)
     for m0 in range(lo, hi, BLOCK_M):
         r = m0 + tl.arange(0, BLOCK_M)
         r_ok = r < hi
         pair = tl.load(order_ptr + r, mask=r_ok, other=0).to(tl.int64)
         tok = pair // K
+        if SHARED:  # the shared segment holds token t at offsets[NE - 1] + t (moe_place_kernel)
+            tok = tl.where(sh, r - tl.load(offsets_ptr + NE - 1), tok)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_rows = x_ptr + tok[:, None] * D
@@ -265,8 +294,8 @@ def _gate_up(x_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
             k_ok = (k0 + kk) < D
             xt = tl.load(x_rows + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             wmask = n_ok[:, None] & k_ok[None, :]
-            wg = tl.load(gu_ptr + g_rows[:, None] * D + (k0 + kk)[None, :], mask=wmask, other=0.0)
-            wu = tl.load(gu_ptr + (g_rows + I)[:, None] * D + (k0 + kk)[None, :], mask=wmask, other=0.0)
+            wg = tl.load(g_base + (k0 + kk)[None, :], mask=wmask, other=0.0)
+            wu = tl.load(u_base + (k0 + kk)[None, :], mask=wmask, other=0.0)
             if A8:  # e4m3 x e4m3 into fp32: the weights are used as stored
                 acc_g = tl.dot(xt, tl.trans(wg), acc_g)
                 acc_u = tl.dot(xt, tl.trans(wu), acc_u)
@@ -300,8 +329,20 @@ def moe_down_kernel(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_p
                     DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """y[pair, n] = (h W_down[e]^T)[n] * routing weight, rounded like the reference."""
-    _down(h_ptr, h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, HAS_SCALE, BLOCK_M,
-          BLOCK_N, BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP)
+    _down(h_ptr, h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, down_ptr, D, I, HAS_SCALE,
+          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP, False)
+
+
+@triton.jit
+def moe_down_shared_kernel(h_ptr, down_ptr, sd_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
+                           D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                           M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+    """moe_down_kernel with the shared expert as expert NE - 1 (down rows sd [D, I]); its pairs' weights are
+    sigmoid(shared gate)."""
+    _down(h_ptr, h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, sd_ptr, D, I, False,
+          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, True)
 
 
 @triton.jit
@@ -311,8 +352,8 @@ def moe_down_plain_kernel(h_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
                           DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """`clover::MoEDown` (no scales): the launch ABI of its contract, inputs then outputs."""
-    _down(h_ptr, h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, False, BLOCK_M, BLOCK_N,
-          BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP)
+    _down(h_ptr, h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, down_ptr, D, I, False, BLOCK_M,
+          BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, False)
 
 
 @triton.jit
@@ -322,21 +363,25 @@ def moe_down_a8_kernel(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_
                        DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                        M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """FP8 experts on e4m3 x e4m3 dots (w8a8): hq/hs the pair rows quantised by `act_quant_kernel`."""
-    _down(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, D, I, HAS_SCALE, BLOCK_M,
-          BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP)
+    _down(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, down_ptr, D, I, HAS_SCALE,
+          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP, False)
 
 
 @triton.jit
-def _down(h_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
+def _down(h_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, sd_ptr,
           D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-          F16_DOT: tl.constexpr, A8: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
+          F16_DOT: tl.constexpr, A8: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
+          SHARED: tl.constexpr):
     e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     dt = y_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     d_rows = e.to(tl.int64) * D + n
+    d_base = down_ptr + d_rows[:, None] * I
+    if SHARED:
+        d_base = tl.where(e == NE - 1, sd_ptr + n.to(tl.int64)[:, None] * I, d_base)
     for m0 in range(lo, hi, BLOCK_M):
         r = m0 + tl.arange(0, BLOCK_M)
         r_ok = r < hi
@@ -348,7 +393,7 @@ def _down(h_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr
         for k0 in range(0, I, BLOCK_K):
             k_ok = (k0 + kk) < I
             ht = tl.load(h_rows + (k0 + kk)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            wd = tl.load(down_ptr + d_rows[:, None] * I + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            wd = tl.load(d_base + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if A8:
                 acc = tl.dot(ht, tl.trans(wd), acc)
             elif F16_DOT:
@@ -369,14 +414,18 @@ def _down(h_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr
 
 @triton.jit
 def moe_combine_kernel(y_ptr, idx_ptr, out_ptr, D: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
-                       KP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t] = sum of the token's valid pair rows (fp32), cast to the model dtype."""
+                       KP: tl.constexpr, BLOCK_D: tl.constexpr, SHARED: tl.constexpr):
+    """out[t] = sum of the token's valid pair rows (fp32), cast to the model dtype. SHARED: plus the token's
+    shared-expert row, y[B*T*K + t] (moe_place_kernel's shared segment)."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.arange(0, KP)
     ok = (j < K) & (tl.load(idx_ptr + t * K + j, mask=j < K, other=E) < E)
     y = tl.load(y_ptr + (t * K + j)[:, None] * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
-    tl.store(out_ptr + t * D + d, tl.sum(y.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty), mask=d < D)
+    acc = tl.sum(y.to(tl.float32), axis=0)
+    if SHARED:
+        acc += tl.load(y_ptr + (tl.num_programs(0).to(tl.int64) * K + t) * D + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -416,18 +465,26 @@ def moe_count_kernel(idx_ptr, P, counts_ptr, rank_ptr, E: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def moe_place_kernel(idx_ptr, P, counts_ptr, rank_ptr, offsets_ptr, order_ptr, E: tl.constexpr,
-                     EP1: tl.constexpr, BLOCK: tl.constexpr):
+def moe_place_kernel(idx_ptr, P, R, counts_ptr, rank_ptr, offsets_ptr, order_ptr, E: tl.constexpr,
+                     EP1: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr):
     """Grid (cdiv(P, BLOCK),): offsets = exclusive prefix sum of counts, order[offsets[e] + rank[p]] = p.
 
     Every program sums the E + 1 counts itself and stores the same offsets (identical values: whichever store
     lands, the loads after the barrier read them). With moe_count_kernel this replaces torch.sort +
     searchsorted on the torch path: three launches (with the zero fill), no host sync. The order within an
     expert's segment depends on the atomics, which changes no result: every output row of the expert GEMMs
-    depends on its own input row only."""
+    depends on its own input row only.
+
+    SHARED (the shared expert as expert E; R = B*T tokens, P = R*K): one more segment,
+    offsets[E + 1] = offsets[E] + R, holding pairs P + t for every token t (their h and y rows follow the
+    routed ones). EP1 >= E + 2 then."""
     e = tl.arange(0, EP1)
     counts = tl.load(counts_ptr + e, mask=e < E, other=0)
-    tl.store(offsets_ptr + e, tl.cumsum(counts, axis=0) - counts, mask=e <= E)  # offsets[E] = every pair used
+    last = E
+    if SHARED:
+        counts = tl.where(e == E, R, counts)
+        last = E + 1
+    tl.store(offsets_ptr + e, tl.cumsum(counts, axis=0) - counts, mask=e <= last)  # offsets[E] = every pair used
     tl.debug_barrier()
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(idx_ptr + p, mask=p < P, other=E)
@@ -435,6 +492,8 @@ def moe_place_kernel(idx_ptr, P, counts_ptr, rank_ptr, offsets_ptr, order_ptr, E
     base = tl.load(offsets_ptr + ids, mask=live, other=0)
     rank = tl.load(rank_ptr + p, mask=live, other=0)
     tl.store(order_ptr + base + rank, p, mask=live)
+    if SHARED:  # the grid covers P >= R positions: p doubles as the token index
+        tl.store(order_ptr + tl.load(offsets_ptr + E) + p, P + p, mask=p < R)
 
 
 @triton.jit

@@ -186,9 +186,13 @@ def coreset_moe(x, router_w, gate_up, down, top_k: int, top_p: float, coreset: b
 
 
 def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None, arch: int | None = None,
-                tiles: dict | None = None, align: str = "kernels"):
+                tiles: dict | None = None, align: str = "kernels", shared: tuple | None = None):
     """Routed SwiGLU experts and the weighted sum for given routing (idx, w from `moe_route`): the pairs grouped
     by expert (`moe_align`), the two expert GEMMs (w8a8 where launch.moe_w8a8 says), the combine.
+
+    shared = (gate [I, D], up [I, D], down [D, I], weight [B, T] or [B, T, 1]): the shared expert runs as expert
+    E of the same grouped GEMMs, one pair per token weighted by `weight` (sigmoid of the shared gate), and the
+    combine adds its row (launch.moe_shared_fusable says when: same shapes and dtype as the routed experts).
 
     align="sort": the pairs grouped by torch.sort + searchsorted instead (the 2026-11-30 baseline that
     bench/step_bound.py measures side by side)."""
@@ -199,6 +203,12 @@ def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None
     fp8 = gate_up.dtype == torch.float8_e4m3fn
     if fp8 != (down.dtype == torch.float8_e4m3fn) or fp8 != (gate_up_scale is not None) or fp8 != (down_scale is not None):
         raise ValueError("CoresetMoE: FP8 needs both weights in float8_e4m3fn and both scales (fp32)")
+    if shared is not None:
+        sg, su, sd, sw = shared
+        if fp8 or align != "kernels" or {tuple(sg.shape), tuple(su.shape), tuple(sd.shape[::-1])} != {(I, D)} or any(
+                t.dtype != gate_up.dtype for t in (sg, su, sd)):
+            raise ValueError(f"CoresetMoE: the shared expert joins the grouped GEMMs only with the routed experts' "
+                             f"shapes ([{I}, {D}], [{D}, {I}]) and dtype ({gate_up.dtype}), not FP8, on align='kernels'")
     arch = _arch(x.device) if arch is None else arch
     dtype = str(x.dtype).removeprefix("torch.")
     P = B * T * top_k
@@ -209,18 +219,20 @@ def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None
         sorted_ids, order = torch.sort(idx.view(-1))  # E ("none") sorts last
         offsets = torch.searchsorted(sorted_ids, torch.arange(E + 1, dtype=_I32, device=x.device)).to(_I32)
     elif align == "kernels":
-        offsets, order = moe_align(idx, E)
+        offsets, order = moe_align(idx, E, shared_rows=B * T if shared is not None else 0)
     else:
         raise ValueError(f"CoresetMoE: align must be 'kernels' or 'sort', not {align!r}")
+    segments = E + (shared is not None)  # the shared expert is segment E
+    rows = P + (B * T if shared is not None else 0)  # pair rows of h and y: the routed pairs, then one per token
     a8 = launch.moe_w8a8(fp8, dtype, tiles)
-    block_m = launch.moe_a8_block_m(P, E, arch) if a8 else launch.moe_block_m(P, E)
+    block_m = launch.moe_a8_block_m(rows, segments, arch) if a8 else launch.moe_block_m(rows, segments)
     gu, dn, opts = launch.moe_gemm_constexprs(D, I, top_k, block_m, fp8, dtype, arch, tiles)
-    gu, dn = launch.moe_m_grid(gu, dn, E)  # a hot expert's M tiles run in parallel
-    grids = launch.moe_grids(E, B, T, gu, dn)
-    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    gu, dn = launch.moe_m_grid(gu, dn, segments)  # a hot expert's M tiles run in parallel
+    grids = launch.moe_grids(segments, B, T, gu, dn, pairs=rows)
+    h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     gs = offsets if gate_up_scale is None else gate_up_scale.float().contiguous()  # offsets: never read
     ds = offsets if down_scale is None else down_scale.float().contiguous()
-    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     if a8:
         xq, xs = act_quant(x.view(B * T, D))
         kern.moe_gate_up_a8_kernel[grids["gate_up"]](xq, xs, gate_up.contiguous(), gs, offsets, order, h, **gu,
@@ -228,31 +240,59 @@ def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None
         hq, hs = act_quant(h)
         kern.moe_down_a8_kernel[grids["down"]](hq, hs, down.contiguous(), ds, w, offsets, order, y, **dn, **opts,
                                                **_FUSION)
+    elif shared is not None:
+        w_all = torch.cat([w.reshape(-1), sw.reshape(-1).to(w.dtype)])  # the shared pairs' weights follow
+        kern.moe_gate_up_shared_kernel[grids["gate_up"]](x, gate_up.contiguous(), sg.contiguous(), su.contiguous(),
+                                                         offsets, order, h, **gu, **opts, **_FUSION)
+        kern.moe_down_shared_kernel[grids["down"]](h, down.contiguous(), sd.contiguous(), w_all, offsets, order, y,
+                                                   **dn, **opts, **_FUSION)
     else:
         kern.moe_gate_up_kernel[grids["gate_up"]](x, gate_up.contiguous(), gs, offsets, order, h, **gu, **opts,
                                                   **_FUSION)
         kern.moe_down_kernel[grids["down"]](h, down.contiguous(), ds, w, offsets, order, y, **dn, **opts, **_FUSION)
-    kern.moe_combine_kernel[grids["combine"]](y, idx, out, D=D, E=E, K=top_k, KP=launch.next_pow2(top_k),
-                                              BLOCK_D=256, **launch.MOE_SMALL_LAUNCH, **_FUSION)
+    kern.moe_combine_kernel[grids["combine"]](y, idx, out, **launch.moe_combine_constexprs(D, E, top_k, shared is not None),
+                                              **launch.MOE_SMALL_LAUNCH, **_FUSION)
     return out
 
 
-def moe_align(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_block(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k: int,
+              top_p: float, coreset: bool, block_size: int, *, arch: int | None = None, tiles: dict | None = None,
+              n_causal=None, router_bias=None):
+    """The sparse MoE block (`model.SparseMoe`): routed experts + sigmoid(shared gate) x shared expert, the shared
+    expert as one more expert of the grouped GEMMs (`moe_experts(shared=...)`). Returns (out, distinct).
+
+    Rounding: each expert's output row times its weight is rounded to the model dtype as the reference rounds it;
+    the routed rows and the shared row are then summed in fp32 and rounded once (the reference rounds the routed
+    sum first)."""
+    import torch.nn.functional as F
+
+    x = x.contiguous()
+    idx, w, distinct = moe_route(x, router_w, top_k, top_p, coreset, block_size, n_causal, router_bias)
+    sw = torch.sigmoid(F.linear(x, shared_gate_w))  # [B, T, 1], model dtype as the reference's
+    out = moe_experts(x, idx, w, gate_up, down, arch=arch, tiles=tiles,
+                      shared=(shared_gate, shared_up, shared_down, sw))
+    return out, distinct
+
+
+def moe_align(idx: torch.Tensor, num_experts: int, shared_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(offsets [E+1] int32, order [P] int32): the pairs of idx [B, T, k] grouped by expert id (unused slots,
-    id E, are left out; order's tail past offsets[E] is never read). No host sync (CUDA-graph capturable)."""
+    id E, are left out; order's tail past offsets[E] is never read). No host sync (CUDA-graph capturable).
+
+    shared_rows = R > 0: one more segment E (offsets [E+2], order [P+R]) holding pairs P..P+R-1, the shared
+    expert's (one per token)."""
     from clover_export.plugins.triton import moe as kern
 
     P = idx.numel()
     counts = torch.zeros(num_experts, dtype=_I32, device=idx.device)
     rank = torch.empty(P, dtype=_I32, device=idx.device)
-    offsets = torch.empty(num_experts + 1, dtype=_I32, device=idx.device)
-    order = torch.zeros(P, dtype=_I32, device=idx.device)
+    offsets = torch.empty(num_experts + 1 + (shared_rows > 0), dtype=_I32, device=idx.device)
+    order = torch.zeros(P + shared_rows, dtype=_I32, device=idx.device)
     grid = (launch.cdiv(P, launch.MOE_ALIGN_BLOCK),)
     flat = idx.contiguous().view(-1)
     kern.moe_count_kernel[grid](flat, P, counts, rank, E=num_experts, BLOCK=launch.MOE_ALIGN_BLOCK,
                                 **launch.MOE_SMALL_LAUNCH, **_FUSION)
-    kern.moe_place_kernel[grid](flat, P, counts, rank, offsets, order, E=num_experts,
-                                EP1=launch.next_pow2(num_experts + 1), BLOCK=launch.MOE_ALIGN_BLOCK,
+    kern.moe_place_kernel[grid](flat, P, shared_rows, counts, rank, offsets, order,
+                                **launch.moe_place_constexprs(num_experts, shared_rows > 0),
                                 **launch.MOE_SMALL_LAUNCH, **_FUSION)
     return offsets, order
 

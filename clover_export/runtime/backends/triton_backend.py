@@ -74,18 +74,39 @@ class KernelMoE:
         if gate_up.dtype == torch.float8_e4m3fn and scales is None:
             raise CloverError("runtime", "FP8 expert weights without scales", "load them with fp8_experts")
         gs, ds = scales if scales else (None, None)
+        bias = self._router_bias(x, router_w, top_k, top_p, coreset, block_size)
+        return ops.coreset_moe(x, router_w, gate_up, down, top_k, top_p, coreset, block_size, gate_up_scale=gs,
+                               down_scale=ds, n_causal=self.n_causal, router_bias=bias)
+
+    def _router_bias(self, x, router_w, top_k, top_p, coreset, block_size):
+        """The planted router bias of this layer (or None); counts the selected experts when asked to."""
+        from clover_export.plugins.triton import ops
+
         bias = self.router_bias.get(id(router_w))
         if self.selected is not None:
             idx = ops.moe_route(x, router_w, top_k, top_p, coreset, block_size, self.n_causal, bias)[0]
             self.selected.append(int(idx[idx < router_w.shape[0]].unique().numel()))
-        return ops.coreset_moe(x, router_w, gate_up, down, top_k, top_p, coreset, block_size, gate_up_scale=gs,
-                               down_scale=ds, n_causal=self.n_causal, router_bias=bias)
+        return bias
+
+    def block(self, x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k, top_p,
+              coreset, block_size):
+        """The whole MoE block, the shared expert as one more expert of the grouped GEMMs (ops.moe_block)."""
+        from clover_export.plugins.triton import ops
+
+        bias = self._router_bias(x, router_w, top_k, top_p, coreset, block_size)
+        return ops.moe_block(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k,
+                             top_p, coreset, block_size, n_causal=self.n_causal, router_bias=bias)
 
 
-def kernel_cores(moe: KernelMoE) -> Cores:
-    from clover_export.plugins.triton import ops
+def kernel_cores(moe: KernelMoE, cfg=None) -> Cores:
+    """The kernels' Cores; with the config, the shared expert joins the grouped GEMMs where
+    launch.moe_shared_fusable allows (not with FP8 experts)."""
+    from clover_export.plugins.triton import launch, ops
 
-    return Cores(gdn=ops.block_gdn, attention=ops.block_attention, moe=moe, **ops.GLUE)
+    fuse = cfg is not None and launch.moe_shared_fusable(cfg.moe_intermediate_size,
+                                                         cfg.shared_expert_intermediate_size, moe.fp8 is not None)
+    return Cores(gdn=ops.block_gdn, attention=ops.block_attention, moe=moe, **ops.GLUE,
+                 moe_block=moe.block if fuse else None)
 
 
 class TritonBackend:
@@ -101,7 +122,7 @@ class TritonBackend:
         self.device = model.lm_head.weight.device
         self.source_dir = Path(source_dir) if source_dir is not None else None
         self.moe = KernelMoE(fp8)
-        self.model.cores = kernel_cores(self.moe)
+        self.model.cores = kernel_cores(self.moe, model.cfg)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         if not eager_fallback and not self.use_graphs:
             raise CloverError("runtime", f"eager_fallback=False needs CUDA graphs, which run on cuda only (not "
