@@ -63,7 +63,8 @@ def dry_config():
     from clover_export.tiny import tiny_config
 
     return tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], hidden_size=64,
-                       num_experts=16, num_experts_per_tok=4, block_size=4)
+                       num_experts=16, num_experts_per_tok=4, block_size=4,
+                       shared_expert_intermediate_size=32)  # the real model's equal widths: the shared fusion runs
 
 
 def init_weights_(model: CloverModel, seed: int, device) -> None:
@@ -209,12 +210,13 @@ def product_flags() -> dict:
     return dict(PRODUCT, a8=launch.FP8_W8A8)
 
 
-def variant_cores(flags: dict, fp8_experts: dict | None):
-    """`Cores` of the triton backend's kernels with each issue-15 change on or off (`VARIANTS` flags)."""
+def variant_cores(flags: dict, fp8_experts: dict | None, cfg):
+    """`Cores` of the triton backend's kernels with each issue-15 change on or off (`VARIANTS` flags); the shared
+    expert joins the grouped GEMMs only where launch.moe_shared_fusable allows, as in the backend."""
     from functools import partial
 
     from clover_export.model.model import Cores
-    from clover_export.plugins.triton import ops
+    from clover_export.plugins.triton import launch, ops
 
     align = "kernels" if flags.get("align") else "sort"
 
@@ -229,7 +231,9 @@ def variant_cores(flags: dict, fp8_experts: dict | None):
     attention = partial(ops.block_attention, kv_first=bool(flags.get("kv_first")), tiles=flags.get("attn_tiles"),
                         split_rule=flags.get("attn_split_rule", "two_waves"))
     block = None
-    if flags.get("shared_moe") and fp8_experts is None:
+    if flags.get("shared_moe") and launch.moe_shared_fusable(cfg.moe_intermediate_size,
+                                                              cfg.shared_expert_intermediate_size,
+                                                              fp8_experts is not None):
         block = partial(ops.moe_block, tiles=flags.get("moe_tiles"))
     return Cores(gdn=partial(ops.block_gdn, split=bool(flags.get("gdn_split"))), attention=attention,
                  moe=moe, moe_block=block, **(ops.GLUE if flags.get("glue") else {}))
@@ -250,7 +254,8 @@ class Step:
         for k, v in self.pools.items():  # a filled prefix
             v.normal_(0, 0.5 if k.endswith(("key", "value")) else 0.05, generator=g)
         self.order = [self.pools[n] for n in names.pool_names(cfg)]
-        self.cores = variant_cores(product_flags() if flags is None else flags, fp8_experts if sc["fp8"] else None)
+        self.cores = variant_cores(product_flags() if flags is None else flags, fp8_experts if sc["fp8"] else None,
+                                   cfg)
         self.rows = N if N > 0 else C  # rows whose logits the step needs
 
     def __call__(self):
@@ -270,7 +275,8 @@ class Step:
             union.append(int(torch.unique(idx[idx < router_w.shape[0]]).numel()))
             return inner(x, router_w, gate_up, down, k, p, coreset, n)
 
-        cores, self.cores = self.cores, dataclasses.replace(self.cores, moe=recording)
+        # moe_block off: the recording wraps the routed-experts core (same routing)
+        cores, self.cores = self.cores, dataclasses.replace(self.cores, moe=recording, moe_block=None)
         saved = {k: v.clone() for k, v in self.pools.items()}
         try:
             with torch.no_grad():
