@@ -95,7 +95,7 @@ def test_tiny_variants_compile_for_sm90():
 def _real_variants(arch: int) -> list[aot.Variant]:
     out = ([aot.gdn_variant(REAL), aot.attention_variant(REAL, arch=arch)] + aot.moe_variants(REAL, arch=arch)
            + aot.gdn_split_variants(REAL) + aot.attention_torch_variants(REAL, arch=arch)
-           + aot.moe_shared_variants(REAL, arch=arch))
+           + aot.moe_shared_variants(REAL, arch=arch) + aot.attention_split_variants(REAL, arch=arch))
     if arch in launch.FP8_ARCHS:
         out += [v for v in aot.moe_variants(REAL, fp8=True, arch=arch) if ".fp8" in v.key]
     if arch == 90:  # the other dtype combinations TensorRT may ask for; the delta kernel's other dv tile

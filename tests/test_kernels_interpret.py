@@ -95,6 +95,57 @@ def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), n
         _close(x, y, name)
 
 
+def attention_trt_split_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=4096, past=(7, 3000), nc=(5, 2),
+                             num_sms=16, seed=6):
+    """BlockAttention's split-KV form as TensorRT launches it (model.trt.onnx: BlockAttentionSplit, then
+    BlockAttentionMerge): each kernel from its AOT plan (variant, grid, int32 scalars from input dims,
+    pointers in contract order), partials allocated at the plan's declared shapes and filled with garbage;
+    the merged output and the pools equal `attention_core`. Batch row 0 sees 12 positions: most of its splits
+    are empty."""
+    import torch
+
+    from clover_export.model.attention import attention_core
+    from clover_export.plugins import contracts
+    from clover_export.plugins.trt import plan
+    from clover_export.plugins.triton import attention as kern
+
+    g = torch.Generator().manual_seed(seed)
+    T = Tc + N
+    q, k, v = (torch.randn(B, T, h, hd, generator=g) for h in (H, Hkv, Hkv))
+    kp, vp = torch.randn(S, Hkv, L, hd, generator=g), torch.randn(S, Hkv, L, hd, generator=g)
+    ids = [torch.tensor(x[:B], dtype=torch.int32) for x in ((2, 0, 1), past, nc)]
+    want = attention_core(q, k, v, kp, vp, *ids, N, hd ** -0.5)
+    from clover_export.plugins.triton.launch import attention_split_cap
+    attrs = {"block_size": N, "scale": hd ** -0.5, "max_splits": attention_split_cap(L)}  # as trt_graph writes it
+
+    def launch(op, inputs, outputs, **kw):
+        c = contracts.TRT_CONTRACTS[op]
+        shapes = {n: tuple(t.shape) for n, t in inputs.items()}
+        dtypes = {n: str(t.dtype).removeprefix("torch.") for n, t in inputs.items()}
+        p = plan.aot_plan(op, shapes, attrs if c.attributes else {}, dtypes, 90, **kw)
+        args = ([inputs[t.name] for t in c.inputs] + [int(shapes[src][dim]) for src, dim in p.scalars]
+                + [outputs[t.name] for t in c.outputs])
+        getattr(kern, p.variant.kernel)[p.grid](*args, **p.variant.constexprs, **p.variant.options)
+        return p
+
+    a, b = kp.clone(), vp.clone()
+    split_in = dict(q=q, k=k, v=v, key_pool=a, value_pool=b, slot_ids=ids[0], past_len=ids[1], n_causal=ids[2])
+    decls = plan.output_decls(contracts.BLOCK_ATTENTION_SPLIT, {n: tuple(t.shape) for n, t in split_in.items()},
+                              attrs, num_sms=num_sms)
+    acc, ml = (torch.full(d.shape, -7.0) for d in decls[:2])
+    p = launch("BlockAttentionSplit", split_in, dict(acc=acc, ml=ml, key_pool_out=a, value_pool_out=b),
+               num_sms=num_sms)
+    assert p.grid[2] == acc.shape[0] > 2, (p.grid, acc.shape)  # the declared partials are the launched splits
+    o = torch.full_like(q, -7.0)
+    launch("BlockAttentionMerge", dict(acc=acc, ml=ml, q=q), dict(o=o))
+    pad = torch.arange(T).unsqueeze(0) >= ids[2].long().unsqueeze(1)  # padding causal rows: don't care
+    pad[:, Tc:] = False
+    o[pad], want[0][pad] = 0, 0
+    for name, x, y in zip(("o", "key_pool", "value_pool"), (o, a, b), want):
+        _close(x, y, name)
+    return {"splits": int(acc.shape[0])}
+
+
 def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=False, ties=False, seed=0,
              hot=False):
     import torch
@@ -371,6 +422,7 @@ CASES = {
     # block rows of an empty prefix (visibility limit 0) beside padding causal rows
     "attention_empty_prefix_block_rows": lambda: attention_case(past=(0, 3), nc=(0, 2), L=40, seed=5),
     "attention_fused_empty_prefix": lambda: attention_case(past=(0, 3), nc=(0, 2), L=40, seed=5, kv_first=False),
+    "attention_trt_split_plugins": attention_trt_split_case,
     "moe_coreset": lambda: moe_case(),
     "moe_plain": lambda: moe_case(coreset=False, seed=1),
     "moe_small_top_p": lambda: moe_case(top_p=0.5, E=16, k=3, seed=2),

@@ -189,3 +189,76 @@ def test_register_with_real_tensorrt():
     from clover_export.plugins.trt import register
 
     assert set(register.register_all()) == {c.qualname for c in TRT_CONTRACTS.values()}
+
+
+# ---------------------------------------------------------------- BlockAttention's split-KV form (two plugins)
+@pytest.mark.parametrize("splits", [1, 3, 64])  # 64 splits of 40 positions: most are empty
+def test_split_attention_references_compose_to_attention_core(splits):
+    """split_core then merge_core (the contracts of BlockAttentionSplit / BlockAttentionMerge) equal
+    attention_core, pools included, for any cut of the prefix; padding causal rows are don't-care."""
+    import torch
+
+    from clover_export.model.attention import attention_core
+    from clover_export.model.attention_split import merge_core, split_core
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, hd, N, Tc, S, L = 2, 4, 2, 16, 4, 5, 3, 40
+    q, k, v = (torch.randn(B, Tc + N, h, hd, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    kp, vp = (torch.randn(S, Hkv, L, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    ids = [torch.tensor(x, dtype=torch.int32) for x in ((2, 0), (7, 30), (5, 2))]
+    want = attention_core(q, k, v, kp, vp, *ids, N, hd ** -0.5)
+    acc, ml, k2, v2 = split_core(q, k, v, kp, vp, *ids, N, hd ** -0.5, splits)
+    assert acc.shape == (splits, B, Tc + N, H, hd) and ml.shape == (splits, B, Tc + N, H, 2)
+    assert acc.dtype == ml.dtype == torch.float32
+    o = merge_core(acc, ml, q)
+    live = torch.ones(B, Tc + N, dtype=torch.bool)
+    live[1, 2:Tc] = False  # batch row 1 has 2 causal rows
+    torch.testing.assert_close(o[live], want[0][live], atol=1e-5, rtol=1e-5)
+    assert o.dtype == q.dtype and torch.equal(k2, want[1]) and torch.equal(v2, want[2])
+
+
+def test_split_attention_plans_share_one_split_count():
+    """BlockAttentionSplit's declared partials and its grid's third dimension are the same split count
+    (launch.attention_splits), ints or TensorRT expressions; the merge reads it from the partials (scalar S)."""
+    from clover_export.plugins.contracts import BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT
+
+    attrs = dict(ATT_ATTRS, max_splits=4)
+    d = plan.io_dtypes(BLOCK_ATTENTION_SPLIT, "bfloat16")
+    p = plan.aot_plan("BlockAttentionSplit", ATT_SHAPES, attrs, d, 90, num_sms=132)
+    consts = launch.attention_constexprs(16, 2, 256, 32, 0.0625, "bfloat16", 90)
+    assert p.grid[2] == launch.attention_splits(2, 64, 0, consts, 132, cap=4) == 4  # 32 programs: split
+    assert launch.attention_splits(8, 64, 0, consts, 132, cap=4) == 2  # 128 programs: under two waves with 2
+    assert launch.attention_splits(16, 64, 0, consts, 132, cap=4) == 1  # 256 programs fill the GPU
+    one = {n: (1, 32, *s[2:]) if n in ("q", "k", "v") else ((1,) if len(s) == 1 else s) for n, s in ATT_SHAPES.items()}
+    p1 = plan.aot_plan("BlockAttentionSplit", one, attrs, d, 90, num_sms=132)
+    decls = plan.output_decls(BLOCK_ATTENTION_SPLIT, one, attrs, num_sms=132)
+    assert p1.grid[2] == 4 == decls[0].shape[0] == decls[1].shape[0]  # B = 1 decode: the cap
+    assert [x.name for x in decls] == ["acc", "ml", "key_pool_out", "value_pool_out"]
+    assert decls[0].shape == (4, 1, 32, 16, 256) and decls[1].shape == (4, 1, 32, 16, 2)
+    assert (decls[2].alias_of, decls[3].alias_of) == ("key_pool", "value_pool")
+    assert list(p1.variant.signature) == [t.name for t in BLOCK_ATTENTION_SPLIT.inputs] + ["T", "L"] + [
+        t.name for t in BLOCK_ATTENTION_SPLIT.outputs]
+    with pytest.raises(ValueError, match="SM count"):
+        plan.output_decls(BLOCK_ATTENTION_SPLIT, one, attrs)
+    m = plan.aot_plan("BlockAttentionMerge", {"acc": decls[0].shape, "ml": decls[1].shape, "q": one["q"]}, {},
+                      plan.io_dtypes(BLOCK_ATTENTION_MERGE, "bfloat16"), 90)
+    assert m.scalars == (("acc", 0), ("acc", 2)) and m.grid == (32 * 16 // launch.ATTENTION_MERGE_BLOCK_R, 1, 1)
+    # symbolic B and T (TensorRT): the same expression object sizes the partials and the grid
+    ops = launch.ShapeOps(cdiv=strict_cdiv, min=lambda a, b: _strict("min", a, b), max=lambda a, b: _strict("max", a, b))
+    sym = {n: (Expr("B"), Expr("T"), *s[2:]) if n in ("q", "k", "v") else s for n, s in ATT_SHAPES.items()}
+    ps = plan.aot_plan("BlockAttentionSplit", sym, attrs, d, 90, num_sms=132, shape_ops=ops)
+    ds = plan.output_decls(BLOCK_ATTENTION_SPLIT, sym, attrs, num_sms=132, shape_ops=ops)
+    assert ps.grid[2].s == ds[0].shape[0].s == "max(min((cdiv(264,((cdiv((T*8),64)*B)*2))-1),4),1)"
+    assert ps.grid[1].s == "(B*2)" and ds[0].shape[1].s == "B"
+
+
+def _strict(name, a, b):
+    """tensorrt.plugin's min / max: ValueError on two ints."""
+    if isinstance(a, int) and isinstance(b, int):
+        raise ValueError("Both arguments cannot be 'int's")
+    return Expr(f"{name}({getattr(a, 's', a)},{getattr(b, 's', b)})")
+
+
+def test_trt_split_attention_needs_long_pools():
+    assert launch.attention_split_cap(1024) == launch.attention_split_cap(2047) == 1
+    assert launch.attention_split_cap(4096) == 4 and launch.attention_split_cap(131072) == 32

@@ -34,10 +34,13 @@ from clover_export.plugins.contracts import NAMESPACE, TRT_CONTRACTS
 BROKEN = "libnvinfer.so.10: cannot open shared object file: No such file or directory"
 
 
-def independent_count(cfg) -> Counter:
-    """Plugin layers per op from the config alone: one GDN / attention core per layer, five MoE sub-ops per layer."""
+def independent_count(cfg, split: bool) -> Counter:
+    """Plugin layers per op from the config alone: one GDN / attention core per layer (attention as split + merge
+    where the pools hold >= 2048 positions), five MoE sub-ops per layer."""
     gdn = sum(t == "linear_attention" for t in cfg.layer_types)
-    c = Counter(BlockGDN=gdn, BlockAttention=cfg.num_hidden_layers - gdn)
+    attention = cfg.num_hidden_layers - gdn
+    c = Counter(BlockGDN=gdn, **({"BlockAttentionSplit": attention, "BlockAttentionMerge": attention} if split
+                                 else {"BlockAttention": attention}))
     for op in ("MoERoute", "MoEAlign", "MoEGateUp", "MoEDown", "MoECombine"):
         c[op] = cfg.num_hidden_layers
     return c
@@ -78,9 +81,14 @@ def test_export_writes_the_trt_graph_beside_model_onnx(bf16_export):
     trt = onnx.load(str(out / TRT_GRAPH), load_external_data=False)
     full = onnx.load(str(out / "model.onnx"), load_external_data=False)
     assert len(trt.functions) == 0 and len(full.functions) > 0
-    assert plugin_nodes(trt) == independent_count(art.config)
-    assert art.manifest["tensorrt"]["plugin_nodes"] == dict(independent_count(art.config))
-    assert expected_plugin_layers(trt) == sum(independent_count(art.config).values())
+    assert art.config.max_context == 2048  # pools of 2048 positions: attention in its split-KV form, 2 splits at most
+    want = independent_count(art.config, split=True)
+    assert plugin_nodes(trt) == want and art.manifest["tensorrt"]["plugin_nodes"] == dict(want)
+    assert expected_plugin_layers(trt) == sum(want.values())
+    split = next(n for n in trt.graph.node if n.op_type == "BlockAttentionSplit")
+    merge = next(n for n in trt.graph.node if n.op_type == "BlockAttentionMerge")
+    assert {x.name: helper.get_attribute_value(x) for x in split.attribute}["max_splits"] == 2
+    assert list(merge.input) == [*split.output[:2], split.input[0]]  # the partials, and q for o's dtype
     for n in trt.graph.node:
         if n.domain == NAMESPACE:
             a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
@@ -111,9 +119,11 @@ def test_full_size_graph_plugin_count():
     from clover_export.exporter.trace import trace_step
 
     cfg = config_from_dict(full_config())
-    g = trt_graph(trace_step(cfg, torch.bfloat16, cfg.block_size).model, cfg.num_experts)
-    assert plugin_nodes(g) == independent_count(cfg)
-    assert expected_plugin_layers(g) == 30 + 10 + 5 * 40 and len(g.functions) == 0
+    traced = trace_step(cfg, torch.bfloat16, cfg.block_size).model
+    g = trt_graph(traced, cfg.num_experts, cfg.max_context)
+    assert plugin_nodes(g) == independent_count(cfg, split=True)
+    assert expected_plugin_layers(g) == 30 + 2 * 10 + 5 * 40 and len(g.functions) == 0
+    assert plugin_nodes(trt_graph(traced, cfg.num_experts, 1024)) == independent_count(cfg, split=False)
 
 
 # ----------------------------------------------------------------- check: each rule broken on purpose
@@ -343,7 +353,8 @@ def _reference_ops():
 
 @pytest.mark.slow
 def test_trt_graph_computes_what_model_onnx_computes(tiny_fp32_dir, tmp_path):
-    """The rewrite (functions dropped, each CoresetMoE split into router MatMul + five sub-ops) changes no value:
+    """The rewrite (functions dropped, each CoresetMoE split into router MatMul + five sub-ops, each BlockAttention
+    into split + merge) changes no value:
     model.trt.onnx run by onnx.reference with each plugin op as its contract's torch core equals model.onnx
     run by ONNX Runtime (function bodies), on the fp32 graph of the tiny model: one step, pools included."""
     from onnx.reference import ReferenceEvaluator
@@ -354,8 +365,10 @@ def test_trt_graph_computes_what_model_onnx_computes(tiny_fp32_dir, tmp_path):
 
     export(tiny_fp32_dir, tmp_path / "f32", dtype="fp32", weights="link", max_batch=2)
     art = load_artifact(tmp_path / "f32")
-    g = trt_graph(onnx.load(str(art.graph_path), load_external_data=False), art.config.num_experts)
+    # pool_len 4096 (this export's pools are shorter): the split-KV form, 4 splits at most, so its references run
+    g = trt_graph(onnx.load(str(art.graph_path), load_external_data=False), art.config.num_experts, 4096)
     assert plugin_nodes(g)["MoEGateUp"] == art.config.num_hidden_layers and not g.functions
+    assert plugin_nodes(g)["BlockAttentionSplit"] > 0  # the split-KV form's references run too
     _load_weights(g, art)
     feeds, pools = small_step(art)
     inputs = {**feeds[0], **pools}

@@ -229,8 +229,10 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
         manifest.pop("tensorrt", None)
         if art.dtype != "fp32" and art.weights_mode != "map":  # engine-bound: the graph TensorRT parses
             from clover_export.exporter.trt_graph import write_trt_graph
+            from clover_export.runtime.backends.ort_backend import pool_len
 
-            manifest["tensorrt"] = write_trt_graph(tmp, proto, art.config.num_experts)
+            manifest["tensorrt"] = write_trt_graph(tmp, proto, art.config.num_experts,
+                                                   pool_len(art.manifest, art.config.max_context))
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         fp8_map = {k: v for k, v in wmap.items() if k in used_names}
         for t in g.initializer:

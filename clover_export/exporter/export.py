@@ -156,7 +156,7 @@ def export(
         manifest = _manifest(cfg, model_dir, dtype, N, chunk, max_batch, slots, max_len, traced, writer.report)
         engine_bound = dtype != "fp32" and writer.report.mode != "map"  # map mode cannot reach TensorRT
         if engine_bound:  # what TensorRT parses: no clover functions, MoE as AOT sub-ops, same external data
-            manifest["tensorrt"] = write_trt_graph(tmp, proto, cfg.num_experts)
+            manifest["tensorrt"] = write_trt_graph(tmp, proto, cfg.num_experts, max_len)
         (tmp / A.MANIFEST).write_text(json.dumps(manifest, indent=2))
         for fname in A.COMPANION_FILES:  # the runtime needs them; the model folder may move
             if (model_dir / fname).is_file():

@@ -4,8 +4,13 @@ TensorRT's ONNX parser silently imports a custom node's model-local
 function body when no plugin creator matches it (and always on TensorRT
 < 10.7): the engine would build without our plugins, with no aliasing and
 Scan/ScatterND bodies. So the graph handed to TensorRT differs from
-`model.onnx` in three ways only:
+`model.onnx` in four ways only:
 - no FunctionProtos: a plugin that is not registered is a parse error;
+- where the pools hold >= 2048 positions (`launch.attention_split_cap`), each
+  BlockAttention node is BlockAttentionSplit + BlockAttentionMerge, the
+  flash-decoding partials a graph tensor (an AOT plugin is one kernel with no
+  workspace); their split count is a shape expression of B and T computed
+  at build time for the GPU (`launch.attention_splits`);
 - each CoresetMoE / CoresetMoEFP8 node is split into single-kernel AOT
   sub-ops (contracts.MOE_SUBOPS) with the intermediates as graph tensors:
   router logits (Transpose + MatMul, as the Linear layers), MoERoute,
@@ -25,8 +30,8 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from clover_export.plugins.contracts import (CORESET_MOE, CORESET_MOE_FP8, NAMESPACE, PLUGIN_VERSION,
-                                            TRT_CONTRACTS)
+from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT,
+                                            CORESET_MOE, CORESET_MOE_FP8, NAMESPACE, PLUGIN_VERSION, TRT_CONTRACTS)
 
 TRT_GRAPH = "model.trt.onnx"
 AOT_ATTR = "aot"
@@ -69,8 +74,25 @@ def split_moe(node: onnx.NodeProto, num_experts: int) -> list[onnx.NodeProto]:
     return nodes
 
 
-def trt_graph(proto: onnx.ModelProto, num_experts: int) -> onnx.ModelProto:
-    """`model.onnx` -> what TensorRT parses (see the module docstring); the input proto is not changed."""
+def split_attention_node(node: onnx.NodeProto, max_splits: int) -> list[onnx.NodeProto]:
+    """BlockAttention -> BlockAttentionSplit + BlockAttentionMerge (same graph inputs and outputs; the partials
+    `<node>/acc`, `<node>/ml` are graph tensors whose split count TensorRT computes from the shapes)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute
+             if a.name in {s.name for s in BLOCK_ATTENTION.attributes}}
+    n = node.name or node.output[0]
+    o, key_out, value_out = node.output
+    acc, ml = f"{n}/acc", f"{n}/ml"
+    return [_plugin_node(BLOCK_ATTENTION_SPLIT.name, list(node.input), [acc, ml, key_out, value_out],
+                         f"{n}/{BLOCK_ATTENTION_SPLIT.name}", **attrs, max_splits=max_splits),
+            _plugin_node(BLOCK_ATTENTION_MERGE.name, [acc, ml, node.input[0]], [o], f"{n}/{BLOCK_ATTENTION_MERGE.name}")]
+
+
+def trt_graph(proto: onnx.ModelProto, num_experts: int, pool_len: int = 0) -> onnx.ModelProto:
+    """`model.onnx` -> what TensorRT parses (see the module docstring); the input proto is not changed.
+    `pool_len`: the pools' capacity the export was made for (its profiles'); 0: attention is not split."""
+    from clover_export.plugins.triton.launch import attention_split_cap
+
+    max_splits = attention_split_cap(pool_len)
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     del out.functions[:]
@@ -80,6 +102,8 @@ def trt_graph(proto: onnx.ModelProto, num_experts: int) -> onnx.ModelProto:
             nodes.append(node)
         elif node.op_type in MOE_SPLIT:
             nodes += split_moe(node, num_experts)
+        elif node.op_type == BLOCK_ATTENTION.name and max_splits > 1:
+            nodes += split_attention_node(node, max_splits)
         else:
             if not any(a.name == AOT_ATTR for a in node.attribute):
                 node.attribute.append(helper.make_attribute(AOT_ATTR, 1))
@@ -89,9 +113,9 @@ def trt_graph(proto: onnx.ModelProto, num_experts: int) -> onnx.ModelProto:
     return out
 
 
-def write_trt_graph(folder: Path, proto: onnx.ModelProto, num_experts: int) -> dict:
+def write_trt_graph(folder: Path, proto: onnx.ModelProto, num_experts: int, pool_len: int) -> dict:
     """Write FOLDER/model.trt.onnx from the folder's `model.onnx` proto; returns the manifest record."""
-    g = trt_graph(proto, num_experts)
+    g = trt_graph(proto, num_experts, pool_len)
     onnx.save_model(g, str(Path(folder) / TRT_GRAPH))
     return {"graph": TRT_GRAPH, "plugin_nodes": dict(sorted(plugin_nodes(g).items()))}
 

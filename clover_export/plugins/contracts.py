@@ -281,22 +281,55 @@ MOE_COMBINE = OpContract(
 )
 MOE_SUBOPS: dict[str, OpContract] = {c.name: c for c in (MOE_ROUTE, MOE_ALIGN, MOE_GATE_UP, MOE_GATE_UP_FP8, MOE_DOWN,
                                                           MOE_DOWN_FP8, MOE_COMBINE)}
+
+# ---- BlockAttention's split-KV form on TensorRT: two single-kernel sub-ops, the partials a graph tensor
+# (`exporter/trt_graph.py` splits a BlockAttention node when the pools hold >= 2048 positions). "splits" is not
+# an input dim: the plan computes it from B, T, max_splits and the GPU (launch.attention_splits) and binds it.
+_SPLIT = "clover_export.model.attention_split:"
+BLOCK_ATTENTION_SPLIT = OpContract(
+    name="BlockAttentionSplit", reference=_SPLIT + "split_core",
+    doc="BlockAttention's pool update and, per split of the visible prefix (the block's own K/V in the last), "
+        "unnormalised base-2 partials: m = max(score * scale * log2 e), l = sum 2^(. - m), acc = sum 2^(. - m) v; "
+        "an empty split has m = -1e30, l = 0.",
+    inputs=BLOCK_ATTENTION.inputs,
+    attributes=(*BLOCK_ATTENTION.attributes,
+                AttrSpec("max_splits", "int", "the most splits: launch.attention_split_cap of the pools' capacity")),
+    outputs=(_t("acc", "splits B T H hd", "float32"), _t("ml", "splits B T H 2", "float32", "(m, l)"),
+             *BLOCK_ATTENTION.outputs[1:]),
+    aliases=BLOCK_ATTENTION.aliases,
+)
+BLOCK_ATTENTION_MERGE = OpContract(
+    name="BlockAttentionMerge", reference=_SPLIT + "merge_core",
+    doc="o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s, in q's dtype (q is not read).",
+    inputs=(_t("acc", "splits B T H hd", "float32"), _t("ml", "splits B T H 2", "float32"),
+            _t("q", "B T H hd", "float", "gives o its dtype; not read")),
+    attributes=(),
+    outputs=(_t("o", "B T H hd", "like:q"),),
+)
+ATTENTION_SPLIT_OPS: dict[str, OpContract] = {c.name: c for c in (BLOCK_ATTENTION_SPLIT, BLOCK_ATTENTION_MERGE)}
 # every plugin TensorRT sees: the ops of `model.trt.onnx` (all AOT: one Triton kernel each, no Python per step)
-TRT_CONTRACTS: dict[str, OpContract] = {BLOCK_GDN.name: BLOCK_GDN, BLOCK_ATTENTION.name: BLOCK_ATTENTION, **MOE_SUBOPS}
+TRT_CONTRACTS: dict[str, OpContract] = {BLOCK_GDN.name: BLOCK_GDN, BLOCK_ATTENTION.name: BLOCK_ATTENTION,
+                                        **ATTENTION_SPLIT_OPS, **MOE_SUBOPS}
 
 
-def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object]) -> dict[str, object]:
+def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object],
+              derived: dict[str, object] | None = None) -> dict[str, object]:
     """Symbolic dim name -> value, from input shapes and attributes; raises ValueError on a mismatch.
 
     Values may be ints or symbolic sizes (torch SymInt under fake tensors): those are bound, not compared.
+    `derived`: dims no input carries (BlockAttentionSplit's "splits", computed by the plan).
     """
     dims: dict[str, object] = {a.name: attrs[a.name] for a in contract.attributes if a.name in attrs}
+    dims.update(derived or {})
     for spec in contract.inputs:
         shape = tuple(shapes[spec.name])
         if len(shape) != spec.rank:
             raise ValueError(f"{contract.qualname}: input '{spec.name}' has rank {len(shape)}, expected {spec.rank} {spec.shape}")
         for dim, size in zip(spec.shape, shape):
-            if dim not in dims:
+            if dim.isdigit():  # a fixed size
+                if isinstance(size, int) and size != int(dim):
+                    raise ValueError(f"{contract.qualname}: input '{spec.name}' has {size} where {dim} is fixed")
+            elif dim not in dims:
                 dims[dim] = size
             elif isinstance(size, int) and isinstance(dims[dim], int) and dims[dim] != size:
                 raise ValueError(
@@ -305,13 +338,16 @@ def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, o
     return dims
 
 
-def output_shapes(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object]) -> list[tuple]:
-    dims = bind_dims(contract, shapes, attrs)
+def output_shapes(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object],
+                  derived: dict[str, object] | None = None) -> list[tuple]:
+    dims = bind_dims(contract, shapes, attrs, derived)
     return [tuple(_dim(d, dims) for d in spec.shape) for spec in contract.outputs]
 
 
 def _dim(name: str, dims: dict[str, object]):
     """A bound dim, or "<dim>+<int>" / "<dim>/<int>" of one (ints or TensorRT shape expressions)."""
+    if name.isdigit():
+        return int(name)
     if "+" in name:
         base, k = name.split("+")
         return dims[base] + int(k)

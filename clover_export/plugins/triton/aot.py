@@ -195,6 +195,39 @@ def attention_variant_for(h: int, hkv: int, hd: int, block_size: int, scale: flo
                    "(cdiv(T * H/Hkv, BLOCK_M), B * Hkv, 1)")
 
 
+def attention_split_variants_for(h: int, hkv: int, hd: int, block_size: int, scale: float,
+                                 dtype: str = "bfloat16", arch: int = 90) -> list[Variant]:
+    """BlockAttention's split-KV form as TensorRT runs it (`clover::BlockAttentionSplit` + `BlockAttentionMerge`,
+    the one-kernel form's tiles; split count = the grid's third dimension, from the shapes at run time)."""
+    from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT
+    from clover_export.plugins.trt.plan import io_dtypes
+
+    consts = launch.attention_constexprs(h, hkv, hd, block_size, scale, dtype, arch)
+    split = launch.ATTENTION_SPLIT_ABI
+    return [
+        Variant(f"BlockAttentionSplit.{_dt(dtype)}", "attention", split.kernel,
+                split.signature(io_dtypes(BLOCK_ATTENTION_SPLIT, dtype)), consts,
+                launch.attention_split_launch(arch, dtype),
+                "(cdiv(T * H/Hkv, BLOCK_M), B * Hkv, splits)"),
+        attention_merge_variant(h, hd, dtype),
+    ]
+
+
+def attention_merge_variant(h: int, hd: int, dtype: str = "bfloat16") -> Variant:
+    from clover_export.plugins.contracts import BLOCK_ATTENTION_MERGE
+    from clover_export.plugins.trt.plan import io_dtypes
+
+    merge = launch.ATTENTION_MERGE_ABI
+    return Variant(f"BlockAttentionMerge.{_dt(dtype)}", "attention", merge.kernel,
+                   merge.signature(io_dtypes(BLOCK_ATTENTION_MERGE, dtype)), launch.attention_merge_constexprs(h, hd),
+                   dict(launch.ATTENTION_MERGE_LAUNCH), "(cdiv(T * H, BLOCK_R), B, 1)")
+
+
+def attention_split_variants(cfg, dtype: str = "bfloat16", arch: int = 90) -> list[Variant]:
+    return attention_split_variants_for(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                        cfg.block_size, cfg.head_dim ** -0.5, dtype, arch)
+
+
 def attention_torch_variants(cfg, dtype: str = "bfloat16", arch: int = 90) -> list[Variant]:
     """The torch path's BlockAttention (ops.block_attention kv_first=True): write_kv, then the pool-only pass."""
     v = attention_variant(cfg, dtype, arch=arch)
@@ -204,8 +237,11 @@ def attention_torch_variants(cfg, dtype: str = "bfloat16", arch: int = 90) -> li
                      "L": "i32", "key_pool_out": f"*{a}", "value_pool_out": f"*{a}"},
                     dict(HKV=c["HKV"], HD=c["HD"], HDP=c["HDP"], BLOCK_N=c["BLOCK_N"]), launch.MOE_SMALL_LAUNCH,
                     "(B * Hkv, 1, 1)")
+    split = attention_split_variants(cfg, dtype, arch)[0]
     return [write, Variant(f"BlockAttention.kv_first.{a}", v.module, v.kernel, v.signature,
-                           dict(c, KV_FIRST=True), v.options, v.grid)]
+                           dict(c, KV_FIRST=True), v.options, v.grid),
+            Variant(f"BlockAttention.split_kv_first.{a}", split.module, split.kernel, split.signature,
+                    dict(split.constexprs, KV_FIRST=True), split.options, split.grid)]
 
 
 def moe_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: int | None = None,
@@ -371,8 +407,9 @@ def moe_subop_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_si
 
 def trt_variants(cfg, arch: int) -> list[Variant]:
     """Every kernel TensorRT launches from PTX for a BF16 (and, where the GPU has e4m3, FP8) engine."""
-    out = [gdn_variant(cfg, "bfloat16"), gdn_variant(cfg, "bfloat16", "float32"),
-           attention_variant(cfg, "bfloat16", arch=arch)] + moe_subop_variants(cfg, "bfloat16", arch=arch)
+    out = ([gdn_variant(cfg, "bfloat16"), gdn_variant(cfg, "bfloat16", "float32"),
+            attention_variant(cfg, "bfloat16", arch=arch)] + attention_split_variants(cfg, "bfloat16", arch)
+           + moe_subop_variants(cfg, "bfloat16", arch=arch))
     if arch in launch.FP8_ARCHS:
         out += [v for v in moe_subop_variants(cfg, "bfloat16", True, arch=arch) if v.key.endswith(".fp8")]
     return out

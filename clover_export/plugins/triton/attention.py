@@ -18,9 +18,12 @@ runs the attention with KV_FIRST: the prefix loop is then one contiguous pool
 load per tile.
 
 `block_attention_kernel`: one pass, the TensorRT AOT kernel.
-`block_attention_split_kernel` + `attention_combine_kernel`: flash-decoding
-split of the cached prefix over a grid axis, then a merge; used by the torch
-path when a pass alone would leave most of the GPU idle (batch 1, long prefix).
+`block_attention_split_kernel` + `attention_merge_kernel`: flash-decoding
+split of the cached prefix over a grid axis, then a merge; used when a pass
+alone would leave most of the GPU idle (batch 1, long prefix): by the torch
+path, and on TensorRT as two AOT plugins (`clover::BlockAttentionSplit` /
+`BlockAttentionMerge`, the partials a graph tensor; split count from the
+shapes at run time, `launch.attention_splits`).
 """
 
 from __future__ import annotations
@@ -168,16 +171,18 @@ def block_attention_split_kernel(
     T, L,
     acc_ptr, ml_ptr, ko_ptr, vo_ptr,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-    SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_PREC: tl.constexpr, KV_FIRST: tl.constexpr,
+    SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FIRST: tl.constexpr,
 ):
-    """Grid (m tiles, B * Hkv, SPLITS): split s takes one slice of the visible prefix; the last also the block.
+    """Grid (m tiles, B * Hkv, splits): split s takes one slice of the visible prefix; the last also the block.
 
-    Writes unnormalised partials: acc [SPLITS, B, T, H, HDP] fp32, (m, l) [SPLITS, B, T, H, 2] fp32.
-    """
+    Writes unnormalised partials (`clover::BlockAttentionSplit`, model/attention_split.py): acc [splits, B, T, H,
+    HD] fp32, (m, l) [splits, B, T, H, 2] fp32. The split count is the grid's third dimension (TensorRT computes it
+    from the shapes at run time: launch.attention_splits)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     sp = tl.program_id(2)
+    SPLITS = tl.num_programs(2)
     b, kvh, slot, past, nc, Tc, row, head, m_ok, causal, limit, hi, q, q_off, d, d_ok = _tile_setup(
         q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, pid_m, pid_bh, H, HKV, HD, HDP, N, BLOCK_M)
     per = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
@@ -195,7 +200,7 @@ def block_attention_split_kernel(
     B = tl.num_programs(1) // HKV
     qrow = (b.to(tl.int64) * T + row) * H + head  # [BLOCK_M]
     part = sp.to(tl.int64) * B * T * H + qrow
-    tl.store(acc_ptr + part[:, None] * HDP + d[None, :], acc, mask=m_ok[:, None])
+    tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
     tl.store(ml_ptr + part * 2, m_i, mask=m_ok)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
     if not KV_FIRST and pid_m == 0:
@@ -215,22 +220,28 @@ def write_kv_kernel(k_ptr, v_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L
 
 
 @triton.jit
-def attention_combine_kernel(acc_ptr, ml_ptr, o_ptr, R, HD: tl.constexpr, HDP: tl.constexpr,
-                             SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Merge SPLITS partials of R = B*T*H query rows into o [R, HD]."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < R
+def attention_merge_kernel(acc_ptr, ml_ptr, q_ptr, S, T, o_ptr, H: tl.constexpr, HD: tl.constexpr,
+                           HDP: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Grid (cdiv(T * H, BLOCK_R), B): `clover::BlockAttentionMerge`, o from S partials, one pass over the splits
+    (running maximum, both sums rescaled as it grows). q gives o's dtype and is not read."""
+    R = tl.num_programs(1).to(tl.int64) * T * H
+    local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = local < T * H
+    r = tl.program_id(1).to(tl.int64) * T * H + local
     d = tl.arange(0, HDP)
-    m_all = tl.full([BLOCK_R], _NEG, dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        m_all = tl.maximum(m_all, tl.load(ml_ptr + (s * R + r) * 2, mask=r_ok, other=_NEG))
-    num = tl.zeros([BLOCK_R, HDP], dtype=tl.float32)
+    d_ok = d < HD
+    m = tl.full([BLOCK_R], _NEG, dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
+    num = tl.zeros([BLOCK_R, HDP], dtype=tl.float32)
+    for s in range(S):
         part = s * R + r
-        w = tl.exp2(tl.load(ml_ptr + part * 2, mask=r_ok, other=_NEG) - m_all)
-        den += w * tl.load(ml_ptr + part * 2 + 1, mask=r_ok, other=0.0)
-        num += w[:, None] * tl.load(acc_ptr + part.to(tl.int64)[:, None] * HDP + d[None, :], mask=r_ok[:, None], other=0.0)
+        ms = tl.load(ml_ptr + part * 2, mask=r_ok, other=_NEG)
+        m_new = tl.maximum(m, ms)
+        keep, take = tl.exp2(m - m_new), tl.exp2(ms - m_new)
+        den = den * keep + take * tl.load(ml_ptr + part * 2 + 1, mask=r_ok, other=0.0)
+        a = tl.load(acc_ptr + part[:, None] * HD + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        num = num * keep[:, None] + take[:, None] * a
+        m = m_new
     den = tl.where(den > 0, den, 1.0)
-    tl.store(o_ptr + r.to(tl.int64)[:, None] * HD + d[None, :], (num / den[:, None]).to(o_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & (d < HD)[None, :])
+    tl.store(o_ptr + r[:, None] * HD + d[None, :], (num / den[:, None]).to(o_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok[None, :])

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_GDN, MOE_ALIGN, MOE_COMBINE, MOE_DOWN,
-                                            MOE_DOWN_FP8, MOE_GATE_UP, MOE_GATE_UP_FP8, MOE_ROUTE, OpContract)
+from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT, BLOCK_GDN,
+                                            MOE_ALIGN, MOE_COMBINE, MOE_DOWN, MOE_DOWN_FP8, MOE_GATE_UP,
+                                            MOE_GATE_UP_FP8, MOE_ROUTE, OpContract)
 
 # dtype spellings: contract / torch name -> Triton signature type
 TRITON_TYPES = {
@@ -35,6 +36,32 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a, b):
     return (a + b - 1) // b
+
+
+class ShapeOps:
+    """cdiv / min / max on ints or TensorRT shape expressions: plain Python where both sides are ints
+    (tensorrt.plugin's cdiv, max and min raise ValueError on two ints; TensorRT 10.9-11.1 plugin/_top_level.py),
+    the symbolic functions otherwise. Expressions must stay on the left of + - * // (no reflected operators)."""
+
+    def __init__(self, cdiv=None, min=None, max=None):  # noqa: A002 (tensorrt.plugin's names)
+        self._sym = dict(cdiv=cdiv, min=min, max=max)
+
+    def _pick(self, name, a, b, plain):
+        if isinstance(a, int) and isinstance(b, int):
+            return plain(a, b)
+        return self._sym[name](a, b)
+
+    def cdiv(self, a, b):
+        return self._pick("cdiv", a, b, cdiv)
+
+    def min(self, a, b):
+        return self._pick("min", a, b, min)
+
+    def max(self, a, b):
+        return self._pick("max", a, b, max)
+
+
+INT_OPS = ShapeOps()
 
 
 def build_time_cdiv(symbolic_cdiv):
@@ -84,6 +111,10 @@ GDN_PARAMS = ("conv_w", "conv_w_right", "A_log", "dt_bias", "block_scale", "bloc
 GDN_ABI = _abi(BLOCK_GDN, "block_gdn_kernel", "gdn", [("T", "mixed_qkv", 1)])
 ATTENTION_ABI = _abi(BLOCK_ATTENTION, "block_attention_kernel", "attention",
                      [("T", "q", 1), ("L", "key_pool", 2)])
+ATTENTION_SPLIT_ABI = _abi(BLOCK_ATTENTION_SPLIT, "block_attention_split_kernel", "attention",
+                           [("T", "q", 1), ("L", "key_pool", 2)])
+ATTENTION_MERGE_ABI = _abi(BLOCK_ATTENTION_MERGE, "attention_merge_kernel", "attention",
+                           [("S", "acc", 0), ("T", "acc", 2)])
 
 
 # ---------------------------------------------------------------- BlockGDN
@@ -188,18 +219,57 @@ def attention_launch(arch: int = 90, dtype: str = "bfloat16", tiles: tuple | Non
     return dict(num_warps=warps, num_stages=stages)
 
 
+# The split kernel also stores fp32 partials and (TensorRT's one-kernel form) runs the step's own block: two
+# stages of its tiles overflow sm_80's 164 KB and sm_89's 99 KB of shared memory (PTX-checked, test_kernels_aot).
+ATTENTION_SPLIT_STAGES = {80: 1, 89: 1}
+
+
+def attention_split_launch(arch: int = 90, dtype: str = "bfloat16", tiles: tuple | None = None) -> dict:
+    """block_attention_split_kernel's launch options: the one-kernel form's, fewer stages where memory is short."""
+    opts = attention_launch(arch, dtype, tiles)
+    if tiles is None and arch in ATTENTION_SPLIT_STAGES:
+        opts["num_stages"] = min(opts["num_stages"], ATTENTION_SPLIT_STAGES[arch])
+    return opts
+
+
 def attention_grid(B, T, consts: dict, splits: int = 1, cdiv=cdiv) -> tuple:
     """(query tiles of T * H/Hkv vectors, batch rows x kv-heads, prefix splits); `cdiv` may be TensorRT's."""
     rep = consts["H"] // consts["HKV"]
     return (cdiv(T * rep, consts["BLOCK_M"]), B * consts["HKV"], splits)
 
 
-def attention_splits(B: int, T: int, L: int, consts: dict, num_sms: int) -> int:
-    """Prefix splits for the torch path: enough programs for ~2 waves, each split >= 1024 positions."""
-    base = attention_grid(B, T, consts)[0] * B * consts["HKV"]
-    if base >= num_sms or L < 2048:
+ATTENTION_MAX_SPLITS = 32
+ATTENTION_SPLIT_MIN_POSITIONS = 1024  # pool positions per split at least: a split of the prefix is worth a launch
+ATTENTION_MERGE_BLOCK_R = 16  # query rows per program of attention_merge_kernel
+ATTENTION_MERGE_LAUNCH = dict(num_warps=4, num_stages=1)
+
+
+def attention_split_cap(L: int) -> int:
+    """The most splits a pool of L positions gets (1: the one-kernel form; L is static: the pools' capacity)."""
+    return max(1, min(L // ATTENTION_SPLIT_MIN_POSITIONS, ATTENTION_MAX_SPLITS))
+
+
+def attention_splits(B, T, L: int, consts: dict, num_sms: int, ops: ShapeOps = INT_OPS, cap: int | None = None):
+    """Prefix splits (torch path and TensorRT's BlockAttentionSplit): the most that keep the programs under two
+    waves, max(1, min(cdiv(2 SMs, programs) - 1, cap)), cap = attention_split_cap(L): 1 once the programs alone
+    fill the GPU. On TensorRT, B and T are shape expressions (`ops`: ShapeOps of tensorrt.plugin's cdiv/min/max)
+    and the pools' L is not a build-time int: `cap` comes from the node (its max_splits attribute); the count is
+    then an expression the partials' shape and the grid share."""
+    cap = attention_split_cap(L) if cap is None else cap
+    if cap <= 1:
         return 1
-    return int(max(1, min(cdiv(2 * num_sms, base), L // 1024, 32)))
+    tiles = attention_grid(B, T, consts, cdiv=ops.cdiv)[0]
+    programs = (B * tiles if isinstance(tiles, int) else tiles * B) * consts["HKV"]  # expressions on the left
+    return ops.max(ops.min(ops.cdiv(2 * num_sms, programs) - 1, cap), 1)
+
+
+def attention_merge_grid(B, T, num_heads: int, cdiv=cdiv) -> tuple:
+    """attention_merge_kernel: (row tiles of T * H query rows, batch rows)."""
+    return (cdiv(T * num_heads, ATTENTION_MERGE_BLOCK_R), B, 1)
+
+
+def attention_merge_constexprs(num_heads: int, head_dim: int) -> dict:
+    return dict(H=num_heads, HD=head_dim, HDP=max(16, next_pow2(head_dim)), BLOCK_R=ATTENTION_MERGE_BLOCK_R)
 
 
 def attention_splits_waves(B: int, T: int, L: int, consts: dict, num_sms: int, max_splits: int = 32) -> int:

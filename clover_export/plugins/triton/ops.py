@@ -108,7 +108,6 @@ def block_attention(q, k, v, key_pool, value_pool, slot_ids, past_len, n_causal,
     o = torch.empty_like(q)
     if B == 0 or T == 0:
         return o, key_pool, value_pool
-    opts = launch.attention_launch(arch, dtype, tiles)
     if kv_first:  # the step's causal K/V into the pool first: the prefix loop then reads the pool alone
         kern.write_kv_kernel[(B * Hkv,)](k, v, *ids, T, L, key_pool, value_pool, HKV=Hkv, HD=hd,
                                          HDP=consts["HDP"], BLOCK_N=consts["BLOCK_N"], **launch.MOE_SMALL_LAUNCH,
@@ -116,17 +115,17 @@ def block_attention(q, k, v, key_pool, value_pool, slot_ids, past_len, n_causal,
     consts = dict(consts, KV_FIRST=kv_first)
     if splits <= 1:
         kern.block_attention_kernel[launch.attention_grid(B, T, consts)](
-            q, k, v, key_pool, value_pool, *ids, T, L, o, key_pool, value_pool, **consts, **opts, **_FUSION)
+            q, k, v, key_pool, value_pool, *ids, T, L, o, key_pool, value_pool, **consts,
+            **launch.attention_launch(arch, dtype, tiles), **_FUSION)
         return o, key_pool, value_pool
-    R = B * T * H
-    acc = torch.empty(splits, R, consts["HDP"], dtype=torch.float32, device=q.device)
-    ml = torch.empty(splits, R, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(splits, B, T, H, hd, dtype=torch.float32, device=q.device)
+    ml = torch.empty(splits, B, T, H, 2, dtype=torch.float32, device=q.device)
     kern.block_attention_split_kernel[launch.attention_grid(B, T, consts, splits)](
-        q, k, v, key_pool, value_pool, *ids, T, L, acc, ml, key_pool, value_pool, SPLITS=splits, **consts, **opts,
+        q, k, v, key_pool, value_pool, *ids, T, L, acc, ml, key_pool, value_pool, **consts,
+        **launch.attention_split_launch(arch, dtype, tiles), **_FUSION)
+    kern.attention_merge_kernel[launch.attention_merge_grid(B, T, H)](
+        acc, ml, q, splits, T, o, **launch.attention_merge_constexprs(H, hd), **launch.ATTENTION_MERGE_LAUNCH,
         **_FUSION)
-    block_r = 16
-    kern.attention_combine_kernel[(launch.cdiv(R, block_r),)](
-        acc, ml, o, R, HD=hd, HDP=consts["HDP"], SPLITS=splits, BLOCK_R=block_r, num_warps=4, **_FUSION)
     return o, key_pool, value_pool
 
 

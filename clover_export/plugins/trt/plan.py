@@ -6,8 +6,9 @@ as aliases of the cache inputs), the dtype combinations offered to
 `@trtp.autotune`, and how it runs: every op is one Triton kernel that
 TensorRT launches from AOT PTX (`aot_plan`: kernel variant, grid, extra
 int32 scalars), so no step calls back into Python. BlockGDN and
-BlockAttention are one kernel each; CoresetMoE(FP8) is not a plugin on
-TensorRT: `exporter/trt_graph.py` splits it into the MoE sub-ops (router
+BlockAttention are one kernel each (BlockAttention's split-KV form is two:
+BlockAttentionSplit and BlockAttentionMerge, the partials a graph tensor);
+CoresetMoE(FP8) is not a plugin on TensorRT: `exporter/trt_graph.py` splits it into the MoE sub-ops (router
 MatMul, MoERoute, MoEAlign, MoEGateUp(FP8), MoEDown(FP8), MoECombine).
 """
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN, MOE_SUBOPS, TRT_CONTRACTS, OpContract
+from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT, BLOCK_GDN,
+                                            MOE_SUBOPS, TRT_CONTRACTS, OpContract)
 from clover_export.plugins.triton import launch
 
 TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int32": "INT32",
@@ -33,11 +35,16 @@ class OutputDecl:
     dtype: str | None  # fixed dtype otherwise
 
 
-def output_decls(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object]) -> list[OutputDecl]:
-    """Output descriptors; shapes may hold TensorRT shape expressions (only bound, never compared)."""
+def output_decls(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object], arch: int = 90,
+                 num_sms: int | None = None, shape_ops: launch.ShapeOps = launch.INT_OPS) -> list[OutputDecl]:
+    """Output descriptors; shapes may hold TensorRT shape expressions (only bound, never compared).
+    BlockAttentionSplit's partials have `attention_split_count` splits (the build GPU's `arch` and `num_sms`)."""
     from clover_export.plugins.contracts import output_dtype_source, output_shapes
 
-    out_shapes = output_shapes(contract, shapes, attrs)
+    derived = None
+    if contract is BLOCK_ATTENTION_SPLIT:
+        derived = {"splits": attention_split_count(shapes, attrs, arch, _need_sms(num_sms), shape_ops)}
+    out_shapes = output_shapes(contract, shapes, attrs, derived)
     decls = []
     for spec, shape in zip(contract.outputs, out_shapes):
         alias = contract.aliases.get(spec.name)
@@ -83,6 +90,24 @@ def autotune_strings(contract: OpContract) -> list[str]:
     return [", ".join(TRT_TYPE_NAMES[c[n]] for n in names) for c in combinations(contract)]
 
 
+def _need_sms(num_sms: int | None) -> int:
+    if not num_sms:
+        raise ValueError("BlockAttentionSplit: the split count needs the build GPU's SM count (num_sms)")
+    return int(num_sms)
+
+
+def attention_split_count(shapes: dict[str, tuple], attrs: dict[str, object], arch: int, num_sms: int,
+                          shape_ops: launch.ShapeOps = launch.INT_OPS):
+    """Prefix splits of a BlockAttentionSplit node: `launch.attention_splits` of its shapes (B and T may be
+    expressions: the count is then one, shared by the partials' shape and the grid). Counted on the 16-bit
+    tiles whatever the dtype, so the shape function (which may run before TensorRT fixes dtypes) and the launch
+    agree."""
+    s = shapes
+    consts = launch.attention_constexprs(int(s["q"][2]), int(s["k"][2]), int(s["q"][3]), int(attrs["block_size"]),
+                                         float(attrs["scale"]), "bfloat16", arch)
+    return launch.attention_splits(s["q"][0], s["q"][1], 0, consts, num_sms, shape_ops, cap=int(attrs["max_splits"]))
+
+
 @dataclass(frozen=True)
 class AotPlan:
     variant: object  # aot.Variant
@@ -91,12 +116,15 @@ class AotPlan:
 
 
 def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes: dict[str, str], arch: int,
-             cdiv=launch.cdiv) -> AotPlan:
+             cdiv=launch.cdiv, num_sms: int | None = None, shape_ops: launch.ShapeOps | None = None) -> AotPlan:
     """Kernel variant, grid and extra scalars for an AOT op. Static dims must be ints; batch and step length
     may be TensorRT shape expressions. `cdiv` is only called where one side is symbolic
-    (`launch.build_time_cdiv`: TensorRT's own cdiv refuses two ints)."""
+    (`launch.build_time_cdiv`: TensorRT's own cdiv refuses two ints); `shape_ops` (cdiv, min, max) likewise,
+    for BlockAttentionSplit's split count, which also needs the build GPU's `num_sms`."""
     from clover_export.plugins.triton import aot
 
+    if shape_ops is not None:
+        cdiv = shape_ops.cdiv
     cdiv = launch.build_time_cdiv(cdiv)
     s = shapes
     if op == BLOCK_GDN.name:
@@ -110,6 +138,16 @@ def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes
                                       float(attrs["scale"]), dtypes["q"], arch)
         grid = launch.attention_grid(s["q"][0], s["q"][1], v.constexprs, cdiv=cdiv)
         abi = launch.ATTENTION_ABI
+    elif op == BLOCK_ATTENTION_SPLIT.name:
+        v = aot.attention_split_variants_for(int(s["q"][2]), int(s["k"][2]), int(s["q"][3]), int(attrs["block_size"]),
+                                             float(attrs["scale"]), dtypes["q"], arch)[0]
+        splits = attention_split_count(s, attrs, arch, _need_sms(num_sms), shape_ops or launch.ShapeOps(cdiv))
+        grid = launch.attention_grid(s["q"][0], s["q"][1], v.constexprs, splits, cdiv=cdiv)
+        abi = launch.ATTENTION_SPLIT_ABI
+    elif op == BLOCK_ATTENTION_MERGE.name:
+        v = aot.attention_merge_variant(int(s["acc"][3]), int(s["acc"][4]), dtypes["q"])
+        grid = launch.attention_merge_grid(s["acc"][1], s["acc"][2], int(s["acc"][3]), cdiv=cdiv)
+        abi = launch.ATTENTION_MERGE_ABI
     elif op in MOE_SUBOPS:
         E, K, D, I = moe_dims(op, shapes, attrs)
         first = s[MOE_SUBOPS[op].inputs[0].name]

@@ -1,7 +1,7 @@
 """`tensorrt.plugin` registration of the `clover::` plugin ops (imported only where TensorRT is installed).
 
 Written to the `tensorrt.plugin` API of TensorRT >= 10.9 (`register`,
-`autotune`, `aot_impl`, `KernelLaunchParams`, `SymIntExprs`, `cdiv`; checked
+`autotune`, `aot_impl`, `KernelLaunchParams`, `SymIntExprs`, `cdiv`, `min`, `max`; checked
 against NVIDIA/TensorRT python/packaging/bindings_wheel/tensorrt/plugin at
 v10.9.0 and v11.1). Every op of `model.trt.onnx` (`TRT_CONTRACTS`) is AOT
 only: TensorRT launches its PTX, nothing calls back into Python per step
@@ -60,6 +60,18 @@ def _build_arch() -> int:
     return major * 10 + minor
 
 
+def _build_sms() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _shape_ops():
+    from clover_export.plugins.triton import launch
+
+    return launch.ShapeOps(cdiv=trtp.cdiv, min=trtp.min, max=trtp.max)
+
+
 def _signed(fn, params: list[tuple[str, object]], ret, name: str):
     """`fn(arguments_dict)` exposed with an explicit signature (names and annotations)."""
     sig = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=a)
@@ -84,7 +96,9 @@ def _register(contract: OpContract) -> None:
         shapes = {n: _dims(args[n]) for n in inputs}
         values = {a: args[a] for a, _ in attrs}
         outs = []
-        for d in plan.output_decls(contract, shapes, values):
+        split = contract.name == "BlockAttentionSplit"  # its partials' split count depends on the GPU
+        sizing = dict(arch=_build_arch(), num_sms=_build_sms(), shape_ops=_shape_ops()) if split else {}
+        for d in plan.output_decls(contract, shapes, values, **sizing):
             if d.alias_of is not None:
                 outs.append(args[d.alias_of].aliased())
                 continue
@@ -109,7 +123,8 @@ def _register(contract: OpContract) -> None:
         arch = _build_arch()
         shapes = {n: _dims(args[n]) for n in inputs}
         dtypes = {n: _dtype_name(args[n].dtype) for n in inputs}
-        p = plan.aot_plan(contract.name, shapes, {a: args[a] for a, _ in attrs}, dtypes, arch, cdiv=trtp.cdiv)
+        p = plan.aot_plan(contract.name, shapes, {a: args[a] for a, _ in attrs}, dtypes, arch, num_sms=_build_sms(),
+                          shape_ops=_shape_ops())
         c = aot.compile_variant(p.variant, arch)
         lp = trtp.KernelLaunchParams()
         lp.grid_x, lp.grid_y, lp.grid_z = p.grid
