@@ -99,8 +99,8 @@ def attention_trt_split_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=4096, pas
                              num_sms=16, seed=6):
     """BlockAttention's split-KV form as TensorRT launches it (model.trt.onnx: BlockAttentionSplit, then
     BlockAttentionMerge): each kernel from its AOT plan (variant, grid, int32 scalars from input dims,
-    pointers in contract order), partials allocated at the plan's declared shapes and filled with garbage;
-    the merged output and the pools equal `attention_core`. Batch row 0 sees 12 positions: most of its splits
+    pointers in contract order), partials allocated at the plan's declared shapes (rows past S x B x T
+    included) and filled with garbage; the merged output and the pools equal `attention_core`. Batch row 0 sees 12 positions: most of its splits
     are empty."""
     import torch
 
@@ -133,17 +133,19 @@ def attention_trt_split_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=4096, pas
     decls = plan.output_decls(contracts.BLOCK_ATTENTION_SPLIT, {n: tuple(t.shape) for n, t in split_in.items()},
                               attrs, num_sms=num_sms)
     acc, ml = (torch.full(d.shape, -7.0) for d in decls[:2])
-    p = launch("BlockAttentionSplit", split_in, dict(acc=acc, ml=ml, key_pool_out=a, value_pool_out=b),
+    count = torch.full(decls[2].shape, -1, dtype=torch.int32)
+    p = launch("BlockAttentionSplit", split_in, dict(acc=acc, ml=ml, splits=count, key_pool_out=a, value_pool_out=b),
                num_sms=num_sms)
-    assert p.grid[2] == acc.shape[0] > 2, (p.grid, acc.shape)  # the declared partials are the launched splits
+    S = p.grid[2]
+    assert count.tolist() == [S] and S > 2 and acc.shape[0] > S * B * T, (p.grid, acc.shape)  # spare rows too
     o = torch.full_like(q, -7.0)
-    launch("BlockAttentionMerge", dict(acc=acc, ml=ml, q=q), dict(o=o))
+    launch("BlockAttentionMerge", dict(acc=acc, ml=ml, splits=count, q=q), dict(o=o))
     pad = torch.arange(T).unsqueeze(0) >= ids[2].long().unsqueeze(1)  # padding causal rows: don't care
     pad[:, Tc:] = False
     o[pad], want[0][pad] = 0, 0
     for name, x, y in zip(("o", "key_pool", "value_pool"), (o, a, b), want):
         _close(x, y, name)
-    return {"splits": int(acc.shape[0])}
+    return {"splits": S}
 
 
 def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=False, ties=False, seed=0,

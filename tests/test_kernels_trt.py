@@ -207,10 +207,13 @@ def test_split_attention_references_compose_to_attention_core(splits):
     kp, vp = (torch.randn(S, Hkv, L, hd, generator=g, dtype=torch.float64) for _ in range(2))
     ids = [torch.tensor(x, dtype=torch.int32) for x in ((2, 0), (7, 30), (5, 2))]
     want = attention_core(q, k, v, kp, vp, *ids, N, hd ** -0.5)
-    acc, ml, k2, v2 = split_core(q, k, v, kp, vp, *ids, N, hd ** -0.5, splits)
-    assert acc.shape == (splits, B, Tc + N, H, hd) and ml.shape == (splits, B, Tc + N, H, 2)
-    assert acc.dtype == ml.dtype == torch.float32
-    o = merge_core(acc, ml, q)
+    acc, ml, count, k2, v2 = split_core(q, k, v, kp, vp, *ids, N, hd ** -0.5, splits)
+    rows = splits * B * (Tc + N)
+    assert acc.shape == (rows, H, hd) and ml.shape == (rows, H, 2) and count.tolist() == [splits]
+    assert acc.dtype == ml.dtype == torch.float32 and count.dtype == torch.int32
+    # the kernels' buffers may hold more rows (launch.attention_partial_rows): the merge reads S x B x T of them
+    pad = lambda t: torch.cat([t, torch.full((5, *t.shape[1:]), float("nan"), dtype=t.dtype)])  # noqa: E731
+    o = merge_core(pad(acc), pad(ml), count, q)
     live = torch.ones(B, Tc + N, dtype=torch.bool)
     live[1, 2:Tc] = False  # batch row 1 has 2 causal rows
     torch.testing.assert_close(o[live], want[0][live], atol=1e-5, rtol=1e-5)
@@ -218,8 +221,9 @@ def test_split_attention_references_compose_to_attention_core(splits):
 
 
 def test_split_attention_plans_share_one_split_count():
-    """BlockAttentionSplit's declared partials and its grid's third dimension are the same split count
-    (launch.attention_splits), ints or TensorRT expressions; the merge reads it from the partials (scalar S)."""
+    """BlockAttentionSplit's grid's third dimension is the split count (launch.attention_splits) and its declared
+    partials hold that many splits (launch.attention_partial_rows), ints or TensorRT expressions; the merge takes
+    its shapes from q and the count from the split kernel's `splits` output."""
     from clover_export.plugins.contracts import BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT
 
     attrs = dict(ATT_ATTRS, max_splits=4)
@@ -232,24 +236,47 @@ def test_split_attention_plans_share_one_split_count():
     one = {n: (1, 32, *s[2:]) if n in ("q", "k", "v") else ((1,) if len(s) == 1 else s) for n, s in ATT_SHAPES.items()}
     p1 = plan.aot_plan("BlockAttentionSplit", one, attrs, d, 90, num_sms=132)
     decls = plan.output_decls(BLOCK_ATTENTION_SPLIT, one, attrs, num_sms=132)
-    assert p1.grid[2] == 4 == decls[0].shape[0] == decls[1].shape[0]  # B = 1 decode: the cap
-    assert [x.name for x in decls] == ["acc", "ml", "key_pool_out", "value_pool_out"]
-    assert decls[0].shape == (4, 1, 32, 16, 256) and decls[1].shape == (4, 1, 32, 16, 2)
-    assert (decls[2].alias_of, decls[3].alias_of) == ("key_pool", "value_pool")
+    assert p1.grid[2] == 4  # B = 1 decode: the cap
+    assert [x.name for x in decls] == ["acc", "ml", "splits", "key_pool_out", "value_pool_out"]
+    # rows: max(B T, cdiv(2 x 132 SMs x BLOCK_M 64, 16 heads)) = 1056 >= 4 splits x 1 x 32
+    assert decls[0].shape == (1056, 16, 256) and decls[1].shape == (1056, 16, 2) and decls[2].shape == (1,)
+    assert decls[2].dtype == "int32" and (decls[3].alias_of, decls[4].alias_of) == ("key_pool", "value_pool")
     assert list(p1.variant.signature) == [t.name for t in BLOCK_ATTENTION_SPLIT.inputs] + ["T", "L"] + [
         t.name for t in BLOCK_ATTENTION_SPLIT.outputs]
     with pytest.raises(ValueError, match="SM count"):
         plan.output_decls(BLOCK_ATTENTION_SPLIT, one, attrs)
-    m = plan.aot_plan("BlockAttentionMerge", {"acc": decls[0].shape, "ml": decls[1].shape, "q": one["q"]}, {},
-                      plan.io_dtypes(BLOCK_ATTENTION_MERGE, "bfloat16"), 90)
-    assert m.scalars == (("acc", 0), ("acc", 2)) and m.grid == (32 * 16 // launch.ATTENTION_MERGE_BLOCK_R, 1, 1)
+    m = plan.aot_plan("BlockAttentionMerge", {"acc": decls[0].shape, "ml": decls[1].shape, "splits": (1,),
+                                              "q": one["q"]}, {}, plan.io_dtypes(BLOCK_ATTENTION_MERGE, "bfloat16"), 90)
+    assert m.scalars == (("q", 1),) and m.grid == (32 * 16 // launch.ATTENTION_MERGE_BLOCK_R, 1, 1)
+    assert list(m.variant.signature) == ["acc", "ml", "splits", "q", "T", "o"]
     # symbolic B and T (TensorRT): the same expression object sizes the partials and the grid
     ops = launch.ShapeOps(cdiv=strict_cdiv, min=lambda a, b: _strict("min", a, b), max=lambda a, b: _strict("max", a, b))
     sym = {n: (Expr("B"), Expr("T"), *s[2:]) if n in ("q", "k", "v") else s for n, s in ATT_SHAPES.items()}
     ps = plan.aot_plan("BlockAttentionSplit", sym, attrs, d, 90, num_sms=132, shape_ops=ops)
     ds = plan.output_decls(BLOCK_ATTENTION_SPLIT, sym, attrs, num_sms=132, shape_ops=ops)
-    assert ps.grid[2].s == ds[0].shape[0].s == "max(min((cdiv(264,((cdiv((T*8),64)*B)*2))-1),4),1)"
-    assert ps.grid[1].s == "(B*2)" and ds[0].shape[1].s == "B"
+    assert ps.grid[2].s == "max(min((cdiv(264,((cdiv((T*8),64)*B)*2))-1),4),1)"
+    assert ps.grid[1].s == "(B*2)" and ds[0].shape[0].s == "max((B*T),1056)" and ds[0].shape[1:] == (16, 256)
+
+
+def test_partial_rows_bound_what_the_splits_write_and_grow_with_b_and_t():
+    """launch.attention_partial_rows >= S x B x T for every B and T (S = attention_splits: the kernel writes S x
+    B x T rows), and never shrinks as B or T grows: TensorRT sizes the partials from each dimension's upper
+    bound over the profile, which is then the worst case (S x B x T itself is not monotone: the split count
+    falls as B grows). Head layouts of Clover-35B-A3B (16 / 2) and a wide GQA one, H100/H200 and small GPUs."""
+    Bs, Ts, worst = (1, 2, 3, 4, 5, 8, 13, 16, 33, 64), range(1, 200, 3), 0.0
+    for h, hkv, hd in ((16, 2, 256), (32, 4, 128), (8, 8, 64)):
+        consts = launch.attention_constexprs(h, hkv, hd, 32, hd ** -0.5, "bfloat16", 90)
+        for sms in (16, 108, 132):
+            rows = {(B, T): launch.attention_partial_rows(B, T, consts, sms) for B in Bs for T in Ts}
+            for (B, T), r in rows.items():
+                for cap in (2, 8, 32):
+                    S = launch.attention_splits(B, T, 0, consts, sms, cap=cap)
+                    assert S * B * T <= r, (h, hkv, sms, cap, B, T, S, r)
+                    worst = max(worst, S * B * T / r)
+            for B0, B1 in zip(Bs, Bs[1:]):
+                for T0, T1 in zip(Ts, Ts[1:]):
+                    assert rows[B0, T0] <= rows[B1, T0] and rows[B0, T0] <= rows[B0, T1], (B0, T0)
+    assert worst > 0.5  # the bound is not loose everywhere
 
 
 def _strict(name, a, b):

@@ -88,7 +88,7 @@ def test_export_writes_the_trt_graph_beside_model_onnx(bf16_export):
     split = next(n for n in trt.graph.node if n.op_type == "BlockAttentionSplit")
     merge = next(n for n in trt.graph.node if n.op_type == "BlockAttentionMerge")
     assert {x.name: helper.get_attribute_value(x) for x in split.attribute}["max_splits"] == 2
-    assert list(merge.input) == [*split.output[:2], split.input[0]]  # the partials, and q for o's dtype
+    assert list(merge.input) == [*split.output[:3], split.input[0]]  # the partials, their count, q for o's dtype
     for n in trt.graph.node:
         if n.domain == NAMESPACE:
             a = {x.name: helper.get_attribute_value(x) for x in n.attribute}

@@ -70,12 +70,27 @@ class MemoryPlan:
         return {**asdict(self), "total": self.total, "fits": self.fits}
 
 
+PLAN_MAX_SMS = 160  # more SMs than any supported GPU has (H200 132, B200 148): sizes the attention partials' floor
+
+
 def activation_bytes(cfg: CloverConfig, batch: int, rows: int, block: int) -> int:
     """Peak step activations, estimated: fp32 logits of the block rows plus a few live
-    [rows, width] bf16 buffers at the widest layer (conv channels, q+gate, expert gate/up)."""
+    [rows, width] bf16 buffers at the widest layer (conv channels, q+gate, expert gate/up), plus the
+    split-KV attention partials on TensorRT (`attention_partial_bytes`)."""
     width = max(cfg.conv_dim + cfg.value_dim, 2 * cfg.num_attention_heads * cfg.head_dim,
                 2 * cfg.moe_intermediate_size * cfg.num_experts_per_tok, 4 * cfg.hidden_size)
-    return batch * block * cfg.vocab_size * 4 + 6 * batch * rows * width * 2
+    return batch * block * cfg.vocab_size * 4 + 6 * batch * rows * width * 2 + attention_partial_bytes(cfg, batch, rows)
+
+
+def attention_partial_bytes(cfg: CloverConfig, batch: int, rows: int) -> int:
+    """BlockAttentionSplit's fp32 partials (acc + (m, l)) at launch.attention_partial_rows, counted per batch row
+    (batch x max(rows, floor) >= max(batch x rows, floor): the plan stays linear in the batch)."""
+    from clover_export.plugins.triton import launch
+
+    consts = launch.attention_constexprs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                         cfg.block_size, cfg.head_dim ** -0.5, "bfloat16", 90)
+    per_batch_row = launch.attention_partial_rows(1, rows, consts, PLAN_MAX_SMS)
+    return batch * per_batch_row * cfg.num_attention_heads * (cfg.head_dim + 2) * 4
 
 
 def plan_memory(cfg: CloverConfig, precision: str, max_batch: int, max_context: int, chunk: int,

@@ -9,8 +9,9 @@ Scan/ScatterND bodies. So the graph handed to TensorRT differs from
 - where the pools hold >= 2048 positions (`launch.attention_split_cap`), each
   BlockAttention node is BlockAttentionSplit + BlockAttentionMerge, the
   flash-decoding partials a graph tensor (an AOT plugin is one kernel with no
-  workspace); their split count is a shape expression of B and T computed
-  at build time for the GPU (`launch.attention_splits`);
+  workspace); the split count is a shape expression of B and T computed at
+  build time for the GPU (`launch.attention_splits`), the partials' rows a
+  monotone bound on it (`launch.attention_partial_rows`);
 - each CoresetMoE / CoresetMoEFP8 node is split into single-kernel AOT
   sub-ops (contracts.MOE_SUBOPS) with the intermediates as graph tensors:
   router logits (Transpose + MatMul, as the Linear layers), MoERoute,
@@ -76,15 +77,16 @@ def split_moe(node: onnx.NodeProto, num_experts: int) -> list[onnx.NodeProto]:
 
 def split_attention_node(node: onnx.NodeProto, max_splits: int) -> list[onnx.NodeProto]:
     """BlockAttention -> BlockAttentionSplit + BlockAttentionMerge (same graph inputs and outputs; the partials
-    `<node>/acc`, `<node>/ml` are graph tensors whose split count TensorRT computes from the shapes)."""
+    `<node>/acc`, `<node>/ml` and the split count `<node>/splits` are graph tensors)."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute
              if a.name in {s.name for s in BLOCK_ATTENTION.attributes}}
     n = node.name or node.output[0]
     o, key_out, value_out = node.output
-    acc, ml = f"{n}/acc", f"{n}/ml"
-    return [_plugin_node(BLOCK_ATTENTION_SPLIT.name, list(node.input), [acc, ml, key_out, value_out],
+    acc, ml, splits = f"{n}/acc", f"{n}/ml", f"{n}/splits"
+    return [_plugin_node(BLOCK_ATTENTION_SPLIT.name, list(node.input), [acc, ml, splits, key_out, value_out],
                          f"{n}/{BLOCK_ATTENTION_SPLIT.name}", **attrs, max_splits=max_splits),
-            _plugin_node(BLOCK_ATTENTION_MERGE.name, [acc, ml, node.input[0]], [o], f"{n}/{BLOCK_ATTENTION_MERGE.name}")]
+            _plugin_node(BLOCK_ATTENTION_MERGE.name, [acc, ml, splits, node.input[0]], [o],
+                         f"{n}/{BLOCK_ATTENTION_MERGE.name}")]
 
 
 def trt_graph(proto: onnx.ModelProto, num_experts: int, pool_len: int = 0) -> onnx.ModelProto:

@@ -7,15 +7,19 @@ graph tensor between them (STEP_GRAPH.md 2, 4):
 
 - `split_core` (BlockAttentionSplit): the step's causal K/V written into the
   pools, and per split s of the visible prefix (the block's own K/V in the
-  last split) the unnormalised partials in base 2, as the kernel keeps them:
+  last split) the unnormalised partials in base 2, as the kernel keeps them,
+  query row (b, t, h) of split s at row s * B * T + b * T + t:
   m = max of score * scale * log2(e), l = sum 2^(that - m), acc = sum
   2^(that - m) v. A split that sees nothing has m = -1e30, l = 0, acc = 0.
 - `merge_core` (BlockAttentionMerge): o = sum_s 2^(m_s - M) acc_s / sum_s
   2^(m_s - M) l_s with M = max_s m_s, in q's dtype.
 
 How the prefix is cut into splits is the kernel's choice (its tiles; the
-count from `launch.attention_splits`); the merge reads the count from the
-partials' first dimension. Composed they equal `attention_core` for any cut.
+count from `launch.attention_splits`); the split step outputs the count S and
+the merge reads it. The kernels' partial buffers may hold more rows than
+S * B * T (`launch.attention_partial_rows`: a bound TensorRT can size);
+these references return exactly S * B * T. Composed they equal
+`attention_core` for any cut.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ EMPTY_MAX = -1.0e30  # the running maximum of a split that sees no position (fin
 
 def split_core(q, k, v, key_pool, value_pool, slot_ids, past_len, n_causal, block_size: int, scale: float,
                splits: int = 2):
-    """Returns (acc [splits, B, T, H, hd] fp32, ml [splits, B, T, H, 2] fp32 (m, l), key_pool, value_pool):
-    the prefix [0, L) cut into `splits` equal ranges of positions, the block's own K/V in the last."""
+    """Returns (acc [S B T, H, hd] fp32, ml [S B T, H, 2] fp32 (m, l), S as int32 [1], key_pool, value_pool) for
+    S = `splits`: the prefix [0, L) cut into S equal ranges of positions, the block's own K/V in the last."""
     B, T, H, hd = q.shape
     Tc, N = T - block_size, block_size
     slot_ids = slot_ids.long()
@@ -65,11 +69,16 @@ def split_core(q, k, v, key_pool, value_pool, slot_ids, past_len, n_causal, bloc
         accs.append((p @ vv).transpose(1, 2))  # [B, T, H, hd]
         mls.append(torch.stack([m, p.sum(-1)], -1).transpose(1, 2))  # [B, T, H, 2]
     new_k, new_v = key_pool.index_copy(0, slot_ids, k_slot), value_pool.index_copy(0, slot_ids, v_slot)
-    return torch.stack(accs), torch.stack(mls), new_k, new_v
+    count = torch.tensor([splits], dtype=torch.int32, device=q.device)
+    return torch.stack(accs).flatten(0, 2), torch.stack(mls).flatten(0, 2), count, new_k, new_v
 
 
-def merge_core(acc: torch.Tensor, ml: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """o [B, T, H, hd] in q's dtype from the partials of `split_core` (q is read for its dtype only)."""
+def merge_core(acc: torch.Tensor, ml: torch.Tensor, splits: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """o [B, T, H, hd] in q's dtype from the first splits[0] x B x T rows of `split_core`'s partials (q gives the
+    shape and dtype only)."""
+    B, T, H, hd = q.shape
+    S = int(splits.reshape(-1)[0])
+    acc, ml = acc[:S * B * T].reshape(S, B, T, H, hd), ml[:S * B * T].reshape(S, B, T, H, 2)
     m, l = ml[..., 0], ml[..., 1]
     w = torch.exp2(m - m.amax(0, keepdim=True))  # [S, B, T, H]
     den = (w * l).sum(0)

@@ -283,26 +283,31 @@ MOE_SUBOPS: dict[str, OpContract] = {c.name: c for c in (MOE_ROUTE, MOE_ALIGN, M
                                                           MOE_DOWN_FP8, MOE_COMBINE)}
 
 # ---- BlockAttention's split-KV form on TensorRT: two single-kernel sub-ops, the partials a graph tensor
-# (`exporter/trt_graph.py` splits a BlockAttention node when the pools hold >= 2048 positions). "splits" is not
-# an input dim: the plan computes it from B, T, max_splits and the GPU (launch.attention_splits) and binds it.
+# (`exporter/trt_graph.py` splits a BlockAttention node when the pools hold >= 2048 positions). The partials are
+# S x B x T query rows flattened, S = the split count (launch.attention_splits, a non-monotone expression of B and
+# T). TensorRT sizes activations from each dimension's upper bound over the profile, so a [S, B, T, ...] shape
+# would be allocated at cap x max B x max T; "rows" is instead a monotone bound on S x B x T
+# (launch.attention_partial_rows, computed by the plan), and the split kernel writes S itself for the merge.
 _SPLIT = "clover_export.model.attention_split:"
 BLOCK_ATTENTION_SPLIT = OpContract(
     name="BlockAttentionSplit", reference=_SPLIT + "split_core",
-    doc="BlockAttention's pool update and, per split of the visible prefix (the block's own K/V in the last), "
-        "unnormalised base-2 partials: m = max(score * scale * log2 e), l = sum 2^(. - m), acc = sum 2^(. - m) v; "
-        "an empty split has m = -1e30, l = 0.",
+    doc="BlockAttention's pool update and, per split s of the visible prefix (the block's own K/V in the last), "
+        "unnormalised base-2 partials of query row r = (b, t, h) at row s * B * T + (b * T + t): "
+        "m = max(score * scale * log2 e), l = sum 2^(. - m), acc = sum 2^(. - m) v; an empty split has "
+        "m = -1e30, l = 0. Rows past S * B * T are not written; `splits` holds S.",
     inputs=BLOCK_ATTENTION.inputs,
     attributes=(*BLOCK_ATTENTION.attributes,
                 AttrSpec("max_splits", "int", "the most splits: launch.attention_split_cap of the pools' capacity")),
-    outputs=(_t("acc", "splits B T H hd", "float32"), _t("ml", "splits B T H 2", "float32", "(m, l)"),
-             *BLOCK_ATTENTION.outputs[1:]),
+    outputs=(_t("acc", "rows H hd", "float32"), _t("ml", "rows H 2", "float32", "(m, l)"),
+             _t("splits", "1", "int32", "S, the split count the kernel ran"), *BLOCK_ATTENTION.outputs[1:]),
     aliases=BLOCK_ATTENTION.aliases,
 )
 BLOCK_ATTENTION_MERGE = OpContract(
     name="BlockAttentionMerge", reference=_SPLIT + "merge_core",
-    doc="o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s, in q's dtype (q is not read).",
-    inputs=(_t("acc", "splits B T H hd", "float32"), _t("ml", "splits B T H 2", "float32"),
-            _t("q", "B T H hd", "float", "gives o its dtype; not read")),
+    doc="o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s, over the first S = splits[0] "
+        "partials of each query row, in q's dtype (q is not read).",
+    inputs=(_t("acc", "rows H hd", "float32"), _t("ml", "rows H 2", "float32"), _t("splits", "1", "int32"),
+            _t("q", "B T H hd", "float", "gives o its shape and dtype; not read")),
     attributes=(),
     outputs=(_t("o", "B T H hd", "like:q"),),
 )
@@ -317,7 +322,7 @@ def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, o
     """Symbolic dim name -> value, from input shapes and attributes; raises ValueError on a mismatch.
 
     Values may be ints or symbolic sizes (torch SymInt under fake tensors): those are bound, not compared.
-    `derived`: dims no input carries (BlockAttentionSplit's "splits", computed by the plan).
+    `derived`: dims no input carries (BlockAttentionSplit's partial "rows", computed by the plan).
     """
     dims: dict[str, object] = {a.name: attrs[a.name] for a in contract.attributes if a.name in attrs}
     dims.update(derived or {})

@@ -169,16 +169,16 @@ def block_attention_kernel(
 def block_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr,
     T, L,
-    acc_ptr, ml_ptr, ko_ptr, vo_ptr,
+    acc_ptr, ml_ptr, splits_ptr, ko_ptr, vo_ptr,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_FIRST: tl.constexpr,
 ):
     """Grid (m tiles, B * Hkv, splits): split s takes one slice of the visible prefix; the last also the block.
 
-    Writes unnormalised partials (`clover::BlockAttentionSplit`, model/attention_split.py): acc [splits, B, T, H,
-    HD] fp32, (m, l) [splits, B, T, H, 2] fp32. The split count is the grid's third dimension (TensorRT computes it
-    from the shapes at run time: launch.attention_splits)."""
+    Writes unnormalised partials (`clover::BlockAttentionSplit`, model/attention_split.py): acc [S * B * T * H,
+    HD] fp32, (m, l) [S * B * T * H, 2] fp32 (the buffers may hold more rows), and S into splits_ptr for the merge.
+    S is the grid's third dimension (TensorRT computes it from the shapes at run time: launch.attention_splits)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -203,6 +203,8 @@ def block_attention_split_kernel(
     tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
     tl.store(ml_ptr + part * 2, m_i, mask=m_ok)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
+    if (pid_m + pid_bh + sp) == 0:
+        tl.store(splits_ptr, SPLITS)
     if not KV_FIRST and pid_m == 0:
         if sp == 0:
             _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, kvh, slot, past, nc, T, L, d, d_ok, HKV, HD, BLOCK_N)
@@ -220,10 +222,12 @@ def write_kv_kernel(k_ptr, v_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L
 
 
 @triton.jit
-def attention_merge_kernel(acc_ptr, ml_ptr, q_ptr, S, T, o_ptr, H: tl.constexpr, HD: tl.constexpr,
+def attention_merge_kernel(acc_ptr, ml_ptr, splits_ptr, q_ptr, T, o_ptr, H: tl.constexpr, HD: tl.constexpr,
                            HDP: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Grid (cdiv(T * H, BLOCK_R), B): `clover::BlockAttentionMerge`, o from S partials, one pass over the splits
-    (running maximum, both sums rescaled as it grows). q gives o's dtype and is not read."""
+    """Grid (cdiv(T * H, BLOCK_R), B): `clover::BlockAttentionMerge`, o from the S = splits_ptr[0] partials the
+    split kernel wrote, one pass over them (running maximum, both sums rescaled as it grows). q gives o's dtype
+    and is not read."""
+    S = tl.load(splits_ptr)
     R = tl.num_programs(1).to(tl.int64) * T * H
     local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = local < T * H

@@ -113,8 +113,7 @@ ATTENTION_ABI = _abi(BLOCK_ATTENTION, "block_attention_kernel", "attention",
                      [("T", "q", 1), ("L", "key_pool", 2)])
 ATTENTION_SPLIT_ABI = _abi(BLOCK_ATTENTION_SPLIT, "block_attention_split_kernel", "attention",
                            [("T", "q", 1), ("L", "key_pool", 2)])
-ATTENTION_MERGE_ABI = _abi(BLOCK_ATTENTION_MERGE, "attention_merge_kernel", "attention",
-                           [("S", "acc", 0), ("T", "acc", 2)])
+ATTENTION_MERGE_ABI = _abi(BLOCK_ATTENTION_MERGE, "attention_merge_kernel", "attention", [("T", "q", 1)])
 
 
 # ---------------------------------------------------------------- BlockGDN
@@ -261,6 +260,16 @@ def attention_splits(B, T, L: int, consts: dict, num_sms: int, ops: ShapeOps = I
     tiles = attention_grid(B, T, consts, cdiv=ops.cdiv)[0]
     programs = (B * tiles if isinstance(tiles, int) else tiles * B) * consts["HKV"]  # expressions on the left
     return ops.max(ops.min(ops.cdiv(2 * num_sms, programs) - 1, cap), 1)
+
+
+def attention_partial_rows(B, T, consts: dict, num_sms: int, ops: ShapeOps = INT_OPS):
+    """Rows of BlockAttentionSplit's flattened partials: max(B T, cdiv(2 SMs x BLOCK_M, H)) >= S B T for every
+    B and T (S = attention_splits with the same consts and SM count). Why: S >= 2 only where
+    S <= cdiv(2 SMs, p) - 1 < 2 SMs / p, with p = cdiv(T H/Hkv, BLOCK_M) B Hkv >= B T H / BLOCK_M programs, so
+    S B T < 2 SMs BLOCK_M / H. Monotone in B and T, unlike S B T: TensorRT's per-dimension upper bound over the
+    profile is then the true worst case, not cap x max B x max T."""
+    bt = T * B if isinstance(B, int) and not isinstance(T, int) else B * T  # expressions on the left
+    return ops.max(bt, cdiv(2 * num_sms * consts["BLOCK_M"], consts["H"]))
 
 
 def attention_merge_grid(B, T, num_heads: int, cdiv=cdiv) -> tuple:

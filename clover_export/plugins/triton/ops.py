@@ -118,13 +118,14 @@ def block_attention(q, k, v, key_pool, value_pool, slot_ids, past_len, n_causal,
             q, k, v, key_pool, value_pool, *ids, T, L, o, key_pool, value_pool, **consts,
             **launch.attention_launch(arch, dtype, tiles), **_FUSION)
         return o, key_pool, value_pool
-    acc = torch.empty(splits, B, T, H, hd, dtype=torch.float32, device=q.device)
-    ml = torch.empty(splits, B, T, H, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(splits * B * T, H, hd, dtype=torch.float32, device=q.device)  # contracts.BLOCK_ATTENTION_SPLIT
+    ml = torch.empty(splits * B * T, H, 2, dtype=torch.float32, device=q.device)
+    count = torch.empty(1, dtype=torch.int32, device=q.device)
     kern.block_attention_split_kernel[launch.attention_grid(B, T, consts, splits)](
-        q, k, v, key_pool, value_pool, *ids, T, L, acc, ml, key_pool, value_pool, **consts,
+        q, k, v, key_pool, value_pool, *ids, T, L, acc, ml, count, key_pool, value_pool, **consts,
         **launch.attention_split_launch(arch, dtype, tiles), **_FUSION)
     kern.attention_merge_kernel[launch.attention_merge_grid(B, T, H)](
-        acc, ml, q, splits, T, o, **launch.attention_merge_constexprs(H, hd), **launch.ATTENTION_MERGE_LAUNCH,
+        acc, ml, count, q, T, o, **launch.attention_merge_constexprs(H, hd), **launch.ATTENTION_MERGE_LAUNCH,
         **_FUSION)
     return o, key_pool, value_pool
 

@@ -38,12 +38,12 @@ class OutputDecl:
 def output_decls(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object], arch: int = 90,
                  num_sms: int | None = None, shape_ops: launch.ShapeOps = launch.INT_OPS) -> list[OutputDecl]:
     """Output descriptors; shapes may hold TensorRT shape expressions (only bound, never compared).
-    BlockAttentionSplit's partials have `attention_split_count` splits (the build GPU's `arch` and `num_sms`)."""
+    BlockAttentionSplit's partials have `attention_partial_rows` rows (the build GPU's `arch` and `num_sms`)."""
     from clover_export.plugins.contracts import output_dtype_source, output_shapes
 
     derived = None
     if contract is BLOCK_ATTENTION_SPLIT:
-        derived = {"splits": attention_split_count(shapes, attrs, arch, _need_sms(num_sms), shape_ops)}
+        derived = {"rows": attention_partial_rows(shapes, attrs, arch, _need_sms(num_sms), shape_ops)}
     out_shapes = output_shapes(contract, shapes, attrs, derived)
     decls = []
     for spec, shape in zip(contract.outputs, out_shapes):
@@ -103,9 +103,21 @@ def attention_split_count(shapes: dict[str, tuple], attrs: dict[str, object], ar
     tiles whatever the dtype, so the shape function (which may run before TensorRT fixes dtypes) and the launch
     agree."""
     s = shapes
-    consts = launch.attention_constexprs(int(s["q"][2]), int(s["k"][2]), int(s["q"][3]), int(attrs["block_size"]),
-                                         float(attrs["scale"]), "bfloat16", arch)
-    return launch.attention_splits(s["q"][0], s["q"][1], 0, consts, num_sms, shape_ops, cap=int(attrs["max_splits"]))
+    return launch.attention_splits(s["q"][0], s["q"][1], 0, _split_consts(s, attrs, arch), num_sms, shape_ops,
+                                   cap=int(attrs["max_splits"]))
+
+
+def attention_partial_rows(shapes: dict[str, tuple], attrs: dict[str, object], arch: int, num_sms: int,
+                           shape_ops: launch.ShapeOps = launch.INT_OPS):
+    """Rows of a BlockAttentionSplit node's partials: `launch.attention_partial_rows`, a monotone bound on what
+    `attention_split_count` splits write (same tiles and SM count)."""
+    s = shapes
+    return launch.attention_partial_rows(s["q"][0], s["q"][1], _split_consts(s, attrs, arch), num_sms, shape_ops)
+
+
+def _split_consts(s: dict[str, tuple], attrs: dict[str, object], arch: int) -> dict:
+    return launch.attention_constexprs(int(s["q"][2]), int(s["k"][2]), int(s["q"][3]), int(attrs["block_size"]),
+                                       float(attrs["scale"]), "bfloat16", arch)
 
 
 @dataclass(frozen=True)
@@ -145,8 +157,8 @@ def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes
         grid = launch.attention_grid(s["q"][0], s["q"][1], v.constexprs, splits, cdiv=cdiv)
         abi = launch.ATTENTION_SPLIT_ABI
     elif op == BLOCK_ATTENTION_MERGE.name:
-        v = aot.attention_merge_variant(int(s["acc"][3]), int(s["acc"][4]), dtypes["q"])
-        grid = launch.attention_merge_grid(s["acc"][1], s["acc"][2], int(s["acc"][3]), cdiv=cdiv)
+        v = aot.attention_merge_variant(int(s["q"][2]), int(s["q"][3]), dtypes["q"])
+        grid = launch.attention_merge_grid(s["q"][0], s["q"][1], int(s["q"][2]), cdiv=cdiv)
         abi = launch.ATTENTION_MERGE_ABI
     elif op in MOE_SUBOPS:
         E, K, D, I = moe_dims(op, shapes, attrs)
