@@ -148,6 +148,22 @@ def test_grids_and_sizes():
     assert launch.attention_splits_waves(1, 64, 65536, a, 132) == 7
     assert launch.attention_splits_waves(8, 64, 65536, a, 132) == 1
     assert launch.attention_splits_waves(1, 64, 64, a, 132) == 1  # one key block: nothing to split
+
+
+def test_other_compute_capabilities_get_tiles_that_fit_their_shared_memory():
+    """A10/A40 (sm_86) and sm_120 have sm_89's ~99 KB of shared memory per block, not sm_90's 227 KB: they get
+    sm_89's tiles and the split kernel's single stage (sm_90's two stages need 196 KB, PTX-checked), the
+    MoE GEMMs sm_89's stages; Orin (sm_87) gets sm_80's."""
+    for arch, like in ((86, 89), (120, 89), (87, 80), (103, 100), (75, 89)):
+        assert launch.tile_arch(arch) == like
+        assert launch.attention_split_launch(arch) == launch.attention_split_launch(like)
+        assert launch.attention_launch(arch) == launch.attention_launch(like)
+        assert launch.attention_constexprs(16, 2, 256, 32, 0.0625, "bfloat16", arch) == \
+            launch.attention_constexprs(16, 2, 256, 32, 0.0625, "bfloat16", like)  # BLOCK_N 32 on sm_89
+        assert launch.moe_gemm_constexprs(2048, 512, 8, 16, False, "bfloat16", arch) == \
+            launch.moe_gemm_constexprs(2048, 512, 8, 16, False, "bfloat16", like)
+    assert launch.attention_split_launch(86)["num_stages"] == 1
+    assert [launch.tile_arch(a) for a in launch.ARCHS] == list(launch.ARCHS)
     assert launch.moe_block_m(64 * 8, 256) == 16 and launch.moe_block_m(8 * 544 * 8, 256) == 64
 
 

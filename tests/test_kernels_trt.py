@@ -258,6 +258,18 @@ def test_split_attention_plans_share_one_split_count():
     assert ps.grid[1].s == "(B*2)" and ds[0].shape[0].s == "max((B*T),1056)" and ds[0].shape[1:] == (16, 256)
 
 
+def test_split_attention_declares_dtypes_from_placeholder_dims():
+    """TensorRT asks the shape function for output dtypes first, with placeholder dims that have no value (not
+    even the static head counts): BlockAttentionSplit's declarations must not need them there."""
+    from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT
+
+    fake = {n: tuple(Expr(f"{n}{i}") for i in range(len(s))) for n, s in ATT_SHAPES.items()}
+    decls = plan.output_decls(BLOCK_ATTENTION_SPLIT, fake, dict(ATT_ATTRS, max_splits=4), num_sms=132)
+    assert [(d.name, d.dtype, d.alias_of) for d in decls] == [
+        ("acc", "float32", None), ("ml", "float32", None), ("splits", "int32", None),
+        ("key_pool_out", None, "key_pool"), ("value_pool_out", None, "value_pool")]
+
+
 def test_partial_rows_bound_what_the_splits_write_and_grow_with_b_and_t():
     """launch.attention_partial_rows >= S x B x T for every B and T (S = attention_splits: the kernel writes S x
     B x T rows), and never shrinks as B or T grows: TensorRT sizes the partials from each dimension's upper

@@ -25,10 +25,10 @@ def test_full_size_cache_arithmetic_by_hand():
 
 def test_activations_hold_the_split_attention_partials():
     """TensorRT's BlockAttentionSplit partials: fp32 acc + (m, l) per query row and head at
-    launch.attention_partial_rows (2 x 160 SMs x BLOCK_M 64 / 16 heads = 1280 rows at least), by hand."""
+    launch.attention_partial_rows (2 x 192 SMs x BLOCK_M 64 / 16 heads = 1536 rows at least), by hand."""
     from clover_export.engines.memory_plan import activation_bytes, attention_partial_bytes
 
-    assert attention_partial_bytes(FULL, 8, 544) == 8 * 1280 * 16 * (256 + 2) * 4  # 544 rows < the floor
+    assert attention_partial_bytes(FULL, 8, 544) == 8 * 1536 * 16 * (256 + 2) * 4  # 544 rows < the floor
     assert attention_partial_bytes(FULL, 8, 4096) == 8 * 4096 * 16 * (256 + 2) * 4
     base = 8 * 32 * FULL.vocab_size * 4 + 6 * 8 * 544 * (8192 + 4096) * 2  # logits; GDN conv + value channels
     assert activation_bytes(FULL, 8, 544, 32) - attention_partial_bytes(FULL, 8, 544) == base

@@ -70,7 +70,7 @@ class MemoryPlan:
         return {**asdict(self), "total": self.total, "fits": self.fits}
 
 
-PLAN_MAX_SMS = 160  # more SMs than any supported GPU has (H200 132, B200 148): sizes the attention partials' floor
+PLAN_MAX_SMS = 192  # at least any GPU's SM count (H200 132, B200 148, RTX PRO 6000 188): the partials' floor
 
 
 def activation_bytes(cfg: CloverConfig, batch: int, rows: int, block: int) -> int:

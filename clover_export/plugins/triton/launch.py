@@ -28,6 +28,14 @@ FP_FUSION = True  # passed explicitly to every AOT compile (Triton 3.10 flips th
 PTX_VERSION = {80: 84, 89: 84, 90: 84, 100: 86}  # PTX ISA per target: 8.4 needs a CUDA 12.4+ driver, 8.6 (sm_100) 12.8+
 ARCHS = (80, 89, 90, 100)
 FP8_ARCHS = (89, 90, 100)  # e4m3 in hardware from Ada on
+# other compute capabilities -> the ARCHS entry with as much shared memory per block (A10/A40 sm_86 and
+# consumer/workstation Blackwell sm_120/121: ~99 KB as sm_89; Orin sm_87: 164 KB as sm_80; sm_103 as sm_100)
+SAME_SHARED_MEMORY = {86: 89, 87: 80, 103: 100, 120: 89, 121: 89}
+
+
+def tile_arch(arch: int) -> int:
+    """The tile tables' column for a compute capability (unknown ones get the smallest shared memory, sm_89's)."""
+    return arch if arch in ARCHS else SAME_SHARED_MEMORY.get(arch, 89)
 
 
 def next_pow2(n: int) -> int:
@@ -49,6 +57,8 @@ class ShapeOps:
     def _pick(self, name, a, b, plain):
         if isinstance(a, int) and isinstance(b, int):
             return plain(a, b)
+        if self._sym[name] is None:
+            raise TypeError(f"{name} of a shape expression needs tensorrt.plugin's {name} (ShapeOps({name}=...))")
         return self._sym[name](a, b)
 
     def cdiv(self, a, b):
@@ -210,7 +220,7 @@ def attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block
 
 
 def _attention_tiles(arch: int, dtype: str) -> tuple:
-    return ATTENTION_TILES_FP32 if dtype == "float32" else ATTENTION_TILES.get(arch, ATTENTION_TILES[90])
+    return ATTENTION_TILES_FP32 if dtype == "float32" else ATTENTION_TILES[tile_arch(arch)]
 
 
 def attention_launch(arch: int = 90, dtype: str = "bfloat16", tiles: tuple | None = None) -> dict:
@@ -226,8 +236,8 @@ ATTENTION_SPLIT_STAGES = {80: 1, 89: 1}
 def attention_split_launch(arch: int = 90, dtype: str = "bfloat16", tiles: tuple | None = None) -> dict:
     """block_attention_split_kernel's launch options: the one-kernel form's, fewer stages where memory is short."""
     opts = attention_launch(arch, dtype, tiles)
-    if tiles is None and arch in ATTENTION_SPLIT_STAGES:
-        opts["num_stages"] = min(opts["num_stages"], ATTENTION_SPLIT_STAGES[arch])
+    if tiles is None and tile_arch(arch) in ATTENTION_SPLIT_STAGES:
+        opts["num_stages"] = min(opts["num_stages"], ATTENTION_SPLIT_STAGES[tile_arch(arch)])
     return opts
 
 
@@ -364,7 +374,7 @@ def moe_gemm_constexprs(hidden: int, inter: int, top_k: int, block_m: int, fp8: 
     FP8 with 16-bit activations: F16_DOT (fp16 dots, moe.py `_row_scale`); fp32 activations keep fp32 dots."""
     table = MOE_TILES_FP8 if fp8 else MOE_TILES
     overrides = {k: v for k, v in (tiles or {}).items() if k != "A8"}  # A8 picks kernels (moe_w8a8), not tiles
-    t = dict(table.get(arch, table[90]), **overrides)
+    t = dict(table[tile_arch(arch)], **overrides)
     if dtype == "float32" and not overrides:  # fp32 graphs (validation): half the K tile, two stages
         t.update(BLOCK_K1=64, BLOCK_K2=64, num_stages=2)
     prec = "ieee" if dtype == "float32" else "tf32"

@@ -43,7 +43,10 @@ def output_decls(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str
 
     derived = None
     if contract is BLOCK_ATTENTION_SPLIT:
-        derived = {"rows": attention_partial_rows(shapes, attrs, arch, _need_sms(num_sms), shape_ops)}
+        if all(isinstance(shapes[n][i], int) for n, i in (("q", 2), ("q", 3), ("k", 2))):
+            derived = {"rows": attention_partial_rows(shapes, attrs, arch, _need_sms(num_sms), shape_ops)}
+        else:  # TensorRT's dtype pass: placeholder dims with no values (tensorrt.plugin get_output_data_types);
+            derived = {"rows": shapes["q"][0]}  # only the outputs' dtypes are read there
     out_shapes = output_shapes(contract, shapes, attrs, derived)
     decls = []
     for spec, shape in zip(contract.outputs, out_shapes):
