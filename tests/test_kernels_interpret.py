@@ -68,26 +68,27 @@ def gdn_trained_like_case(Tc=128, chunk=32, split=True):
         _close(x, y, name)
 
 
-def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), nc=(5, 2), splits=1, seed=0,
-                   kv_first=True):
-    """kv_first: the torch path (K/V written by their own launch first); False: the one-kernel TensorRT form."""
+def _attention_step(B, H, Hkv, hd, N, Tc, S, L, past, nc, seed):
+    """Random q, k, v [B, Tc + N, heads, hd], pools of S slots x L positions and (slot_ids, past_len, n_causal),
+    with `attention_core`'s (o, key_pool, value_pool) for them."""
     import torch
 
     from clover_export.model.attention import attention_core
-    from clover_export.plugins.triton.ops import block_attention
 
     g = torch.Generator().manual_seed(seed)
-    T = Tc + N
-    q, k, v = (torch.randn(B, T, h, hd, generator=g) for h in (H, Hkv, Hkv))
+    q, k, v = (torch.randn(B, Tc + N, h, hd, generator=g) for h in (H, Hkv, Hkv))
     kp, vp = torch.randn(S, Hkv, L, hd, generator=g), torch.randn(S, Hkv, L, hd, generator=g)
     ids = [torch.tensor(x[:B], dtype=torch.int32) for x in ((2, 0, 1), past, nc)]
-    want = attention_core(q, k, v, kp, vp, *ids, N, hd ** -0.5)
-    a, b = kp.clone(), vp.clone()
-    got = block_attention(q, k, v, a, b, *ids, N, hd ** -0.5, splits=splits, kv_first=kv_first)
-    assert got[1] is a and got[2] is b, "pools must be updated in place"
-    # padding causal rows (at or past n_causal) are don't-care outputs (STEP_GRAPH.md 1): the core zeroes
-    # the values they would read past the valid prefix, the kernel reads them; compare the valid rows
-    pad = torch.arange(T).unsqueeze(0) >= ids[2].long().unsqueeze(1)
+    return q, k, v, kp, vp, ids, attention_core(q, k, v, kp, vp, *ids, N, hd ** -0.5)
+
+
+def _close_attention(got, want, n_causal, Tc):
+    """(o, key_pool, value_pool) against the core's. Padding causal rows (at or past n_causal) are don't-care
+    outputs (STEP_GRAPH.md 1): the core zeroes the values they would read past the valid prefix, the kernel
+    reads them; compare the valid rows."""
+    import torch
+
+    pad = torch.arange(got[0].shape[1]).unsqueeze(0) >= n_causal.long().unsqueeze(1)
     pad[:, Tc:] = False
     o_got, o_want = got[0].clone(), want[0].clone()
     o_got[pad], o_want[pad] = 0, 0
@@ -95,27 +96,34 @@ def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), n
         _close(x, y, name)
 
 
+def attention_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=40, past=(7, 30), nc=(5, 2), splits=1, seed=0,
+                   kv_first=True):
+    """kv_first: the torch path (K/V written by their own launch first); False: the one-kernel TensorRT form."""
+    from clover_export.plugins.triton.ops import block_attention
+
+    q, k, v, kp, vp, ids, want = _attention_step(B, H, Hkv, hd, N, Tc, S, L, past, nc, seed)
+    a, b = kp.clone(), vp.clone()
+    got = block_attention(q, k, v, a, b, *ids, N, hd ** -0.5, splits=splits, kv_first=kv_first)
+    assert got[1] is a and got[2] is b, "pools must be updated in place"
+    _close_attention(got, want, ids[2], Tc)
+
+
 def attention_trt_split_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=4096, past=(7, 3000), nc=(5, 2),
                              num_sms=16, seed=6):
     """BlockAttention's split-KV form as TensorRT launches it (model.trt.onnx: BlockAttentionSplit, then
     BlockAttentionMerge): each kernel from its AOT plan (variant, grid, int32 scalars from input dims,
     pointers in contract order), partials allocated at the plan's declared shapes (rows past S x B x T
-    included) and filled with garbage; the merged output and the pools equal `attention_core`. Batch row 0 sees 12 positions: most of its splits
-    are empty."""
+    included) and filled with garbage; the merged output and the pools equal `attention_core`. Batch row 0
+    sees 12 positions: most of its splits are empty."""
     import torch
 
-    from clover_export.model.attention import attention_core
     from clover_export.plugins import contracts
     from clover_export.plugins.trt import plan
     from clover_export.plugins.triton import attention as kern
-
-    g = torch.Generator().manual_seed(seed)
-    T = Tc + N
-    q, k, v = (torch.randn(B, T, h, hd, generator=g) for h in (H, Hkv, Hkv))
-    kp, vp = torch.randn(S, Hkv, L, hd, generator=g), torch.randn(S, Hkv, L, hd, generator=g)
-    ids = [torch.tensor(x[:B], dtype=torch.int32) for x in ((2, 0, 1), past, nc)]
-    want = attention_core(q, k, v, kp, vp, *ids, N, hd ** -0.5)
     from clover_export.plugins.triton.launch import attention_split_cap
+
+    T = Tc + N
+    q, k, v, kp, vp, ids, want = _attention_step(B, H, Hkv, hd, N, Tc, S, L, past, nc, seed)
     attrs = {"block_size": N, "scale": hd ** -0.5, "max_splits": attention_split_cap(L)}  # as trt_graph writes it
 
     def launch(op, inputs, outputs, **kw):
@@ -136,16 +144,12 @@ def attention_trt_split_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=4096, pas
     count = torch.full(decls[2].shape, -1, dtype=torch.int32)
     p = launch("BlockAttentionSplit", split_in, dict(acc=acc, ml=ml, splits=count, key_pool_out=a, value_pool_out=b),
                num_sms=num_sms)
-    S = p.grid[2]
-    assert count.tolist() == [S] and S > 2 and acc.shape[0] > S * B * T, (p.grid, acc.shape)  # spare rows too
+    splits = p.grid[2]
+    assert count.tolist() == [splits] and splits > 2 and acc.shape[0] > splits * B * T, (p.grid, acc.shape)
     o = torch.full_like(q, -7.0)
     launch("BlockAttentionMerge", dict(acc=acc, ml=ml, splits=count, q=q), dict(o=o))
-    pad = torch.arange(T).unsqueeze(0) >= ids[2].long().unsqueeze(1)  # padding causal rows: don't care
-    pad[:, Tc:] = False
-    o[pad], want[0][pad] = 0, 0
-    for name, x, y in zip(("o", "key_pool", "value_pool"), (o, a, b), want):
-        _close(x, y, name)
-    return {"splits": S}
+    _close_attention((o, a, b), want, ids[2], Tc)
+    return {"splits": splits}
 
 
 def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=False, ties=False, seed=0,

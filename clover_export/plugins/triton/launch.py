@@ -74,19 +74,6 @@ class ShapeOps:
 INT_OPS = ShapeOps()
 
 
-def build_time_cdiv(symbolic_cdiv):
-    """A cdiv for TensorRT's launch parameters: plain ints where both sides are build-time constants
-    (`tensorrt.plugin.cdiv` raises ValueError on two ints: checked in TensorRT 10.9-11.1,
-    python/packaging/bindings_wheel/tensorrt/plugin/_top_level.py), the symbolic one otherwise."""
-
-    def f(a, b):
-        if isinstance(a, int) and isinstance(b, int):
-            return cdiv(a, b)
-        return symbolic_cdiv(a, b)
-
-    return f
-
-
 @dataclass(frozen=True)
 class KernelABI:
     """A kernel's runtime parameters in launch order (constexprs excluded)."""
@@ -236,8 +223,9 @@ ATTENTION_SPLIT_STAGES = {80: 1, 89: 1}
 def attention_split_launch(arch: int = 90, dtype: str = "bfloat16", tiles: tuple | None = None) -> dict:
     """block_attention_split_kernel's launch options: the one-kernel form's, fewer stages where memory is short."""
     opts = attention_launch(arch, dtype, tiles)
-    if tiles is None and tile_arch(arch) in ATTENTION_SPLIT_STAGES:
-        opts["num_stages"] = min(opts["num_stages"], ATTENTION_SPLIT_STAGES[tile_arch(arch)])
+    column = tile_arch(arch)
+    if tiles is None and column in ATTENTION_SPLIT_STAGES:
+        opts["num_stages"] = min(opts["num_stages"], ATTENTION_SPLIT_STAGES[column])
     return opts
 
 
@@ -263,7 +251,7 @@ def attention_splits(B, T, L: int, consts: dict, num_sms: int, ops: ShapeOps = I
     waves, max(1, min(cdiv(2 SMs, programs) - 1, cap)), cap = attention_split_cap(L): 1 once the programs alone
     fill the GPU. On TensorRT, B and T are shape expressions (`ops`: ShapeOps of tensorrt.plugin's cdiv/min/max)
     and the pools' L is not a build-time int: `cap` comes from the node (its max_splits attribute); the count is
-    then an expression the partials' shape and the grid share."""
+    then an expression, the grid's third dimension (the partials are sized by `attention_partial_rows`)."""
     cap = attention_split_cap(L) if cap is None else cap
     if cap <= 1:
         return 1

@@ -101,10 +101,10 @@ def _need_sms(num_sms: int | None) -> int:
 
 def attention_split_count(shapes: dict[str, tuple], attrs: dict[str, object], arch: int, num_sms: int,
                           shape_ops: launch.ShapeOps = launch.INT_OPS):
-    """Prefix splits of a BlockAttentionSplit node: `launch.attention_splits` of its shapes (B and T may be
-    expressions: the count is then one, shared by the partials' shape and the grid). Counted on the 16-bit
-    tiles whatever the dtype, so the shape function (which may run before TensorRT fixes dtypes) and the launch
-    agree."""
+    """Prefix splits of a BlockAttentionSplit node (its grid's third dimension): `launch.attention_splits` of its
+    shapes (B and T may be expressions). Counted on the 16-bit tiles whatever the dtype, so the partials' rows
+    (`attention_partial_rows`, from the shape function, which may run before TensorRT fixes dtypes) bound what
+    the launch writes."""
     s = shapes
     return launch.attention_splits(s["q"][0], s["q"][1], 0, _split_consts(s, attrs, arch), num_sms, shape_ops,
                                    cap=int(attrs["max_splits"]))
@@ -133,14 +133,13 @@ class AotPlan:
 def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes: dict[str, str], arch: int,
              cdiv=launch.cdiv, num_sms: int | None = None, shape_ops: launch.ShapeOps | None = None) -> AotPlan:
     """Kernel variant, grid and extra scalars for an AOT op. Static dims must be ints; batch and step length
-    may be TensorRT shape expressions. `cdiv` is only called where one side is symbolic
-    (`launch.build_time_cdiv`: TensorRT's own cdiv refuses two ints); `shape_ops` (cdiv, min, max) likewise,
-    for BlockAttentionSplit's split count, which also needs the build GPU's `num_sms`."""
+    may be TensorRT shape expressions. `cdiv` is only called where one side is symbolic (`launch.ShapeOps`:
+    TensorRT's own cdiv refuses two ints); `shape_ops` (cdiv, min, max) replaces it where given, as
+    BlockAttentionSplit's split count needs min and max too (and the build GPU's `num_sms`)."""
     from clover_export.plugins.triton import aot
 
-    if shape_ops is not None:
-        cdiv = shape_ops.cdiv
-    cdiv = launch.build_time_cdiv(cdiv)
+    ops = shape_ops or launch.ShapeOps(cdiv=cdiv)
+    cdiv = ops.cdiv
     s = shapes
     if op == BLOCK_GDN.name:
         v = aot.gdn_variant_for(int(attrs["num_k_heads"]), int(s["A_log"][0]), int(attrs["head_k_dim"]),
@@ -156,7 +155,7 @@ def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes
     elif op == BLOCK_ATTENTION_SPLIT.name:
         v = aot.attention_split_variants_for(int(s["q"][2]), int(s["k"][2]), int(s["q"][3]), int(attrs["block_size"]),
                                              float(attrs["scale"]), dtypes["q"], arch)[0]
-        splits = attention_split_count(s, attrs, arch, _need_sms(num_sms), shape_ops or launch.ShapeOps(cdiv))
+        splits = attention_split_count(s, attrs, arch, _need_sms(num_sms), ops)
         grid = launch.attention_grid(s["q"][0], s["q"][1], v.constexprs, splits, cdiv=cdiv)
         abi = launch.ATTENTION_SPLIT_ABI
     elif op == BLOCK_ATTENTION_MERGE.name:

@@ -22,7 +22,7 @@ from typing import List, Tuple, Union
 import tensorrt as trt
 import tensorrt.plugin as trtp
 
-from clover_export.plugins.contracts import TRT_CONTRACTS, OpContract
+from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT, TRT_CONTRACTS, OpContract
 from clover_export.plugins.trt import plan
 
 _TRT_DTYPES = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16, "int32": trt.int32,
@@ -96,7 +96,7 @@ def _register(contract: OpContract) -> None:
         shapes = {n: _dims(args[n]) for n in inputs}
         values = {a: args[a] for a, _ in attrs}
         outs = []
-        split = contract.name == "BlockAttentionSplit"  # its partials' split count depends on the GPU
+        split = contract is BLOCK_ATTENTION_SPLIT  # its partials' rows depend on the GPU
         sizing = dict(arch=_build_arch(), num_sms=_build_sms(), shape_ops=_shape_ops()) if split else {}
         for d in plan.output_decls(contract, shapes, values, **sizing):
             if d.alias_of is not None:
