@@ -11,8 +11,12 @@ O_DIRECT wants block-aligned file offsets, lengths and memory: tensors sit at
 arbitrary offsets, so the locations asked for are sorted, merged into runs
 of nearby bytes (a large tensor is cut into pieces), and each run is read,
 widened to 4 KiB blocks, into one page-aligned staging buffer reused for
-every run; a tensor (or piece) is a view into it until the next run is read. Where the file system refuses O_DIRECT (tmpfs,
-some network file systems) the same runs are read through the page cache.
+every run; a tensor (or piece) is a view into it until the next run is read. Where the file system refuses
+O_DIRECT (tmpfs, some network file systems) the same runs are read through the page cache.
+
+`read_views` is the other way to read: the tensors asked for stay readable as views into an `Arena` the
+caller keeps (a streamed layer's routed experts, 1.6 GiB a layer at full size: copying them out of the
+staging buffer took one of the 2 cores ~0.6 s a layer away from the GEMMs beside it).
 
 `DirectWriter` is the other direction, for the 30.7 GiB FP8 weight file: it
 is written beside CPU-bound stages (`engines/background.py`), and through the
@@ -70,18 +74,48 @@ class DirectReader:
         lo = start - start % BLOCK if direct else start
         hi = end if not direct else -(-end // BLOCK) * BLOCK
         buf = memoryview(self._staging(hi - lo))
-        got = 0
-        while lo + got < end:
-            try:
-                n = os.preadv(fd, [buf[got:got + min(READ_BYTES, hi - lo - got)]], lo + got)
-            except OSError as e:
-                if direct and e.errno == 22 and got == 0:  # EINVAL: O_DIRECT refused at read time
-                    raise _NoDirect from None
-                raise CloverError("checkpoint", f"{path}: read failed at byte {lo + got} ({e.strerror})") from None
-            if n == 0:
-                raise CloverError("checkpoint", f"{path}: ends at byte {lo + got}, a tensor needs bytes up to {end}")
-            got += n
+        _fill(fd, direct, path, buf, lo, hi, end)
         return buf, start - lo
+
+    def read_views(self, locs: Iterable[TensorLocation], arena: "Arena") -> dict[TensorLocation, torch.Tensor]:
+        """Every location's tensor as a view into `arena` (grown to fit; the views of its last use must be
+        dropped): nearby tensors of a file are read as one window, in file order, straight into the arena."""
+        by_file: dict = {}
+        for loc in locs:
+            by_file.setdefault(loc.file, []).append(loc)
+        windows = []  # (file, first block, end, locations): each window sits in the arena block-aligned
+        for path, group in by_file.items():
+            group.sort(key=lambda l: l.offset)
+            for loc in group:
+                if windows and windows[-1][0] == path and loc.offset - windows[-1][2] <= MAX_GAP:
+                    windows[-1][2] = max(windows[-1][2], loc.offset + loc.length)
+                    windows[-1][3].append(loc)
+                else:
+                    windows.append([path, loc.offset - loc.offset % BLOCK, loc.offset + loc.length, [loc]])
+        spans = [-(-(end - lo) // BLOCK) * BLOCK for _, lo, end, _ in windows]
+        data = arena.reserve(sum(spans))
+        mem, out, at = memoryview(arena.mm), {}, 0
+        for (path, lo, end, members), span in zip(windows, spans):
+            fd, direct = self._open(path)
+            try:
+                try:
+                    _fill(fd, direct, path, mem[at:at + span], lo, lo + span, end)
+                except _NoDirect:
+                    os.close(fd)
+                    fd, self.direct = -1, False
+                    fd, direct = self._open(path)
+                    _fill(fd, direct, path, mem[at:at + span], lo, lo + span, end)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            self.used_direct.add(direct)
+            for loc in members:
+                dtype, first = TORCH_DTYPES[loc.dtype], at + loc.offset - lo
+                raw = data[first:first + loc.length]
+                # a misaligned tensor (not seen in safetensors files): a copy of its bytes
+                out[loc] = (raw if first % dtype.itemsize == 0 else raw.clone()).view(dtype).view(loc.shape)
+            at += span
+        return out
 
     def read(self, locs: Iterable[TensorLocation]) -> Iterator[tuple[TensorLocation, int, torch.Tensor]]:
         """(location, first element, flat piece) in file order: a tensor larger than a run comes in pieces.
@@ -127,6 +161,37 @@ class DirectReader:
 
 class _NoDirect(Exception):
     pass
+
+
+def _fill(fd: int, direct: bool, path, buf: memoryview, lo: int, hi: int, end: int) -> None:
+    """buf[i] = file byte lo + i, for i up to `end` - lo at least (reads ask for up to hi: O_DIRECT's whole
+    blocks; the file's last block comes back short)."""
+    got = 0
+    while lo + got < end:
+        try:
+            n = os.preadv(fd, [buf[got:got + min(READ_BYTES, hi - lo - got)]], lo + got)
+        except OSError as e:
+            if direct and e.errno == 22 and got == 0:  # EINVAL: O_DIRECT refused at read time
+                raise _NoDirect from None
+            raise CloverError("checkpoint", f"{path}: read failed at byte {lo + got} ({e.strerror})") from None
+        if n == 0:
+            raise CloverError("checkpoint", f"{path}: ends at byte {lo + got}, a tensor needs bytes up to {end}")
+        got += n
+
+
+class Arena:
+    """A page-aligned buffer for `DirectReader.read_views`, kept and reused by its owner; grown by replacing
+    it (views of the old one keep it alive until they go)."""
+
+    def __init__(self):
+        self.mm: mmap.mmap | None = None
+        self.bytes: torch.Tensor | None = None  # uint8 over mm: every view shares its storage
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        if self.mm is None or len(self.mm) < nbytes:
+            self.mm = mmap.mmap(-1, max(BLOCK, -(-nbytes // BLOCK) * BLOCK))  # anonymous: page-aligned
+            self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        return self.bytes
 
 
 def _runs(group: list[TensorLocation]) -> list[list[tuple[TensorLocation, int, int]]]:

@@ -11,8 +11,12 @@ class CloverError(Exception):
 
     def __init__(self, component: str, message: str, note: str | None = None):
         self.component = component
+        self.message = message
         self.note = note
         text = f"[{component}] {message}"
         if note:
             text += f"\n  Note: {note}"
         super().__init__(text)
+
+    def __reduce__(self):  # pickled across processes (a build's background export) with its parts
+        return (type(self), (self.component, self.message, self.note))

@@ -183,19 +183,23 @@ def test_fp8_graph_from_shared_weights_matches_the_per_graph_quantisation(resume
 def test_slice_validation_ran_and_passed(resumed):
     out, logs, _ = resumed
     rec = json.loads((out / "build.json").read_text())["stages"]["validate-slices"]["result"]
-    assert rec["passed"] and len(rec["lines"]) == 2
-    assert any("[validate] one-layer slices at full width" in line for line in logs[0])
+    assert rec["passed"] and len(rec["lines"]) == 1 and "layers 0 (linear_attention), 1 (full_attention)" in rec["lines"][0]
+    assert any("[validate] a slice at full width" in line for line in logs[0])
 
 
 def test_slice_validation_catches_a_wrong_layer(model, tmp_path, monkeypatch):
+    """The slice holds the first GDN (0) and attention (1) layers; the graph gets layer 3's attention weights
+    in place of layer 1's: the GDN state still matches, the attention layer's K/V and the logits do not."""
     from clover_export.exporter import slice as S
 
-    monkeypatch.setattr(S, "slice_layers", lambda cfg: [1])  # the attention slice only
     good = S.validate_slices(model, tmp_path / "w", 8, 16, 2)
-    assert [r.passed for r in good] == [True]
-    monkeypatch.setattr(S, "graph_plans", lambda plans, layer: S.slice_plans(plans, 3))  # layer 3's weights
+    assert [(r.layers, r.passed) for r in good] == [([0, 1], True)], good[0].report
+    monkeypatch.setattr(S, "graph_plans", lambda plans, layers: S.slice_plans(plans, [0, 3]))
     bad = S.validate_slices(model, tmp_path / "w", 8, 16, 2)
     assert [r.passed for r in bad] == [False] and "FAIL" in bad[0].report
+    failing = {line.split()[1] for line in bad[0].report.splitlines() if line.startswith("  FAIL ")}
+    assert "logits" in failing and "present.1.key" in failing and not any(".0." in n for n in failing), failing
+    assert "slice layer -> model layer: 0 -> 0 (linear_attention), 1 -> 1 (full_attention)" in bad[0].report
     assert not (tmp_path / "w").exists()  # the slice graphs are transient
 
 
@@ -252,8 +256,9 @@ def test_layer_streamed_calibration_equals_whole_model_calibration(model):
 
 
 def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
-    """Per-expert checkpoint: layer i + 1 is read in a thread while layer i runs, into one of two buffers that
-    every layer reuses; the read-ahead gives the same calibration as reading each layer on entry."""
+    """Per-expert checkpoint: layer i + 1 is read in a thread while layer i runs, into one of two arenas that
+    every layer reuses, its experts used from there (views, no copy); the read-ahead gives the same
+    calibration as reading each layer on entry, and both the same as the whole model."""
     from clover_export.engines.calibration import BUILTIN_PROMPTS, prompt_batch
     from clover_export.engines.fp8 import calibrate
     from clover_export.engines.stream_calib import streamed_model
@@ -268,12 +273,22 @@ def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
     batch = prompt_batch(ckpt, BUILTIN_PROMPTS[:2], 8)
     plain = calibrate(ckpt, batch, 8, model=streamed_model(ckpt, 8, device="cpu", read_ahead=False))
     streamed = streamed_model(ckpt, 8, device="cpu")
-    storages = set()
+    loader, storages = streamed.stream_loader, set()
+
+    def arenas(m, a):
+        gate_up, down = loader.experts
+        assert len(gate_up) == len(down) == m.mlp.cfg.num_experts and len(gate_up[0]) == 2  # gate, up: as read
+        assert all(p.device.type == "meta" for n, p in m.named_parameters() if ".experts." in n)
+        storages.update(t.untyped_storage().data_ptr() for blocks in (gate_up, down) for grp in blocks for t in grp)
+
     for layer in streamed.model.layers:
-        layer.register_forward_pre_hook(lambda m, a: storages.update(
-            p.untyped_storage().data_ptr() for n, p in m.named_parameters() if ".experts." in n))
+        layer.register_forward_pre_hook(arenas)
     assert calibrate(ckpt, batch, 8, model=streamed) == plain
-    assert len(storages) == 2 * 2  # gate_up and down, in two alternating buffers, for 4 layers x 2 steps
+    assert len(storages) == 2  # two alternating arenas for 4 layers x 2 steps
+    whole = calibrate(ckpt, batch, 8)
+    assert plain.keys() == whole.keys()
+    for k in whole:
+        assert plain[k] == pytest.approx(whole[k], rel=1e-5, abs=0), k
 
 
 def test_routed_moe_core_equals_the_dense_core():
@@ -357,6 +372,42 @@ def test_disk_plan_counts_fp8_weights_once_and_reused_stages_as_zero(model, tmp_
     big = plan_disk(tmp_path, cfg, model, "bf16", "copy", {}, None)
     shards = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     assert big.stages["export-fp32"] >= shards and math.isclose(big.stages["export-bf16"], big.stages["export-fp32"])
+
+
+def test_bf16_export_runs_in_a_background_process(resumed):
+    """At full size (slice validation) the bf16 export runs in a child process beside the build's own stages
+    and is collected after calibrating (engines/background.py); its graph is the one the FP8 stages use."""
+    out, logs, _ = resumed
+    assert "[export bf16] in a background process beside the stages below" in logs[0]
+    text = "\n".join(logs[0])
+    line = next(line for line in logs[0] if line.startswith("[export bf16] onnx-bf16 in "))
+    assert "in a background process (waited" in line
+    assert text.index("[calibrate] ") < text.index(line)
+    fp32 = next(line for line in logs[0] if line.startswith("[export fp32] onnx-fp32 in "))
+    assert "background" not in fp32 and text.index(fp32) < text.index("[validate slices] slice of layers")
+    assert (out / "onnx-bf16" / "manifest.json").exists()
+
+
+def test_background_exports_hand_back_errors_and_stop_cleanly(model, tmp_path):
+    import time
+
+    from clover_export.engines.background import BackgroundExports
+
+    jobs = BackgroundExports({"bad": dict(model=tmp_path / "missing", out=tmp_path / "a", dtype="bf16"),
+                              "never": dict(model=model, out=tmp_path / "c", dtype="bf16")})
+    with pytest.raises(CloverError) as e:  # crossed the process boundary with its parts; the rest never ran
+        jobs.result("never")
+    assert str(tmp_path / "missing") in str(e.value) and e.value.component and e.value.message
+    jobs.stop()
+    assert not (tmp_path / "c").exists()
+    out = tmp_path / "b"
+    jobs = BackgroundExports({"b": dict(model=model, out=out, dtype="bf16", max_batch=2, max_len=64, chunk=16)})
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".b.*")) and time.monotonic() < deadline:  # the export is under way
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".b.*")), "the background export never started writing"
+    jobs.stop()  # SIGINT: the child removes its temporary folder and exits
+    assert not jobs._proc.is_alive() and not out.exists() and not list(tmp_path.glob(".b.*"))
 
 
 def test_ctrl_c_in_the_cli_says_how_to_continue(monkeypatch, tmp_path):

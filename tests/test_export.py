@@ -118,6 +118,7 @@ def test_bf16_validation_catches_a_norm_computed_in_bf16(bf16_dir, tmp_path, mon
     with monkeypatch.context() as m:
         m.setattr(M, "rms_norm", rms_norm_in_bf16)
         m.setattr(trace, "_CACHE", {})
+        m.setattr(trace, "_TRACES", {})
         export(bf16_dir, out, dtype="bf16", weights="copy")  # copy: the shard's link count is asserted elsewhere
     rep = V.validate(out)
     assert not rep.passed, rep.format()

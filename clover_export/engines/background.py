@@ -1,4 +1,4 @@
-"""The FP8 weight file written in a thread beside the build's CPU-bound stages (issue 11).
+"""Build stages run beside the others (issue 11): the FP8 weight file in a thread, the bf16 export in a process.
 
 Writing 30.7 GiB of e4m3 weights is disk-bound (the process mostly waits on
 writeback), while exporting, validating and calibrating keep both cores
@@ -8,13 +8,31 @@ recorded by the build's own thread (`Stages` is not shared across threads).
 If the build fails or is interrupted first, the writer is told to stop
 before its next piece (tensor or expert) and leaves nothing written
 (`quantize_weights`).
+
+At full size the stages in the build's own process left one of the two
+cores idle about a third of the time (the exports are single-threaded
+Python), and nothing but the FP8 graph stages needs the bf16 graph: so the
+bf16 export -- ~35 s of single-threaded CPU -- runs in a child process from
+the build's start (`BackgroundExports`; a process, not a thread: it is
+Python-bound and would share the GIL), beside the fp32 export, the slice
+validation and the calibration. The child writes its folder atomically, as
+`export` always does; interrupted, it removes its temporary folder; results
+and errors come back through a pipe. (Measured with the fp32 export in the
+child too, the slice validation then tracing its own graph: 221 s instead
+of 216 s, the slice slowed 55 -> 98 s by the exports beside it. The build
+is CPU-bound there: ~360 CPU-seconds on 2 cores.)
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import threading
 import time
 from pathlib import Path
+
+from clover_export.errors import CloverError
 
 
 class BackgroundWeights:
@@ -61,3 +79,90 @@ class BackgroundWeights:
                 self._thread.join()
             except KeyboardInterrupt:
                 continue
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGINT to this process when the build's process dies (no orphan export left running)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _interrupt_once(signum, frame) -> None:
+    """The first SIGINT interrupts the export; later ones are ignored, so its clean-up runs to the end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _export_child(conn, jobs: list[dict]) -> None:
+    """Run `export(**kwargs)` for each job in order; send each result (or the error that stops the rest)."""
+    signal.signal(signal.SIGINT, _interrupt_once)
+    _die_with_parent()
+    try:
+        from clover_export.exporter.export import export
+
+        for kwargs in jobs:
+            conn.send(("ok", export(**kwargs)))
+    except KeyboardInterrupt:  # export has removed its temporary folder
+        conn.send(("interrupted", None))
+    except BaseException as e:  # handed to the build by `result`
+        try:
+            conn.send(("error", e))
+        except Exception:  # an error that does not pickle: its text
+            conn.send(("error", CloverError("export", f"{type(e).__name__}: {e}")))
+
+
+class BackgroundExports:
+    """`exporter.export.export(**kwargs)` of each job, in order, in one child process (module docstring);
+    `result(name)` waits for that job's."""
+
+    def __init__(self, jobs: dict[str, dict]):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # not fork: the parent's OpenMP / torch threads
+        self.names = list(jobs)
+        self.outs = [Path(kw["out"]) for kw in jobs.values()]
+        self._got: dict[str, object] = {}
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_export_child, args=(send, list(jobs.values())), daemon=True,
+                                 name="export-" + "+".join(self.names))
+        self._proc.start()
+        send.close()
+
+    def result(self, name: str):
+        """Job `name`'s `ExportResult`, waiting for the child; an error of this or an earlier job, raised here."""
+        while name not in self._got:
+            try:
+                kind, value = self._recv.recv()
+            except EOFError:
+                self._proc.join()
+                raise CloverError("build", f"the background export of {name} ended without a result (exit code "
+                                  f"{self._proc.exitcode})", "nothing of it was kept; run the build again") from None
+            if kind == "error":
+                raise value
+            if kind == "interrupted":
+                raise KeyboardInterrupt
+            self._got[self.names[len(self._got)]] = value
+        if len(self._got) == len(self.names):
+            self._proc.join()
+        return self._got[name]
+
+    def stop(self) -> None:
+        """Interrupt the child if it still runs and wait for it (it removes its temporary folder); a child
+        that does not stop within a minute is killed and its temporary folders removed here."""
+        if self._proc.is_alive():
+            try:
+                os.kill(self._proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+            self._proc.join(60)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+                for out in self.outs:
+                    for stale in out.parent.glob(f".{out.name}.*"):
+                        shutil.rmtree(stale, ignore_errors=True)
+        self._recv.close()

@@ -12,10 +12,12 @@ shards (the fp32 graph casts inside the graph), the FP8 weights are
 quantised once, tensor by tensor, into `fp8-weights/` and linked by both
 FP8 graphs, calibration streams the reference model layer by layer
 (`stream_calib.py`), and where whole-graph validation would not fit in
-memory, one-layer slices at full width are validated instead
-(`exporter/slice.py`). A disk plan (`disk_plan.py`) checks free space
-before anything is written. Ctrl-C keeps every finished stage; the same
-command continues from there.
+memory, a slice at full width (the first layer of each kind, the embedding,
+norm and lm_head) is validated instead (`exporter/slice.py`). A disk plan
+(`disk_plan.py`) checks free space before anything is written. The FP8
+weight file (a thread) and, at full size, the bf16 export (a process) run
+beside the other stages (`background.py`). Ctrl-C keeps every finished
+stage; the same command continues from there.
 
 OUT/
   build.json       stages, their keys and results
@@ -56,7 +58,7 @@ class BuildOptions:
     require_engine: bool = False
     allow_qwen: bool = False
     force: bool = False  # redo every stage; OUT must still be a build folder (clover_export.outdir)
-    validation: str = "auto"  # "whole" graph, one-layer "slice"s, or "auto": whole when it fits in memory
+    validation: str = "auto"  # "whole" graph, a full-width "slice", or "auto": whole when it fits in memory
 
 
 @dataclass
@@ -158,6 +160,10 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
     except OSError as e:
         raise CloverError("build", f"--out {out}: cannot create the folder ({e.strerror or e})") from None
 
+    def export_args(dtype: str) -> dict:
+        return dict(model=model_dir, out=out / f"onnx-{dtype}", dtype=dtype, weights=opts.weights, chunk=opts.chunk,
+                    max_batch=opts.max_batch, max_len=max_context, allow_qwen=opts.allow_qwen, force=True)
+
     def export_stage(dtype: str) -> Path:
         from clover_export.exporter.export import export
 
@@ -167,10 +173,11 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
             res.reused.append(name)
         else:
             t = time.perf_counter()
-            r = export(model_dir, folder, dtype=dtype, weights=opts.weights, chunk=opts.chunk, max_batch=opts.max_batch,
-                       max_len=max_context, allow_qwen=opts.allow_qwen, force=True)
+            background = exports is not None and dtype in exports.names
+            r = exports.result(dtype) if background else export(**export_args(dtype))
+            where = f"in a background process (waited {time.perf_counter() - t:.1f} s for it)" if background else ""
             msg = f"weights {r.weights.mode}" + (f" ({'; '.join(r.weights.messages)})" if r.weights.messages else "")
-            log(f"[export {dtype}] {folder.name} in {time.perf_counter() - t:.1f} s, {msg}, "
+            log(f"[export {dtype}] {folder.name} in {r.seconds:.1f} s{' ' * bool(where)}{where}, {msg}, "
                 f"{r.weights.weight_bytes_written} weight bytes written, readiness checks (`check`) passed")
             stages.record(name, key, {"weights": r.weights.mode, "seconds": round(r.seconds, 2),
                                       "bytes_written": r.bytes_written})
@@ -194,7 +201,7 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         res.ran.append(name)
 
     whole, why = validation_mode(cfg, opts)
-    log(f"[validate] {'whole graphs' if whole else 'one-layer slices at full width'}: {why}")
+    log(f"[validate] {'whole graphs' if whole else 'a slice at full width'}: {why}")
     writer = None
     if opts.precision == "fp8" and not stages.done("fp8-weights", keys["fp8-weights"], out / "fp8-weights"):
         import shutil
@@ -206,10 +213,18 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         writer = BackgroundWeights(model_dir, cfg, out / "fp8-weights")  # disk-bound: beside the CPU-bound stages
         log("[quantize] fp8-weights: writing in the background (disk-bound) while the graphs are exported, "
             "validated and calibrated")
+    exports = None
+    if not whole and not stages.done("export-bf16", keys["export-bf16"], out / "onnx-bf16"):
+        from clover_export.engines.background import BackgroundExports
+
+        exports = BackgroundExports({"bf16": export_args("bf16")})  # Python-bound: beside the stages below
+        log("[export bf16] in a background process beside the stages below")
     try:
         engine_graph = _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole,
                                      export_stage, validate_stage, writer)
     finally:
+        if exports is not None:
+            exports.stop()  # after a failure or Ctrl-C: its temporary folder removed; else it has finished
         if writer is not None:
             writer.stop()  # after a failure or Ctrl-C: nothing of it stays written; else it has finished
             weights = writer.finished()
@@ -224,22 +239,37 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
 
 def _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole, export_stage, validate_stage,
                   writer) -> Path:
-    """Export and validate both graphs, then the FP8 stages; the graph the engine is built from."""
-    fp32 = export_stage("fp32")
+    """Export and validate both graphs, then the FP8 stages; the graph the engine is built from.
+    Whole-graph validation: in that order. Slice validation (full size): the fp32 export, then the slice
+    (reusing its trace); the bf16 export runs in a background process (`build`), collected when first
+    needed: after the slice, or for fp8 after calibrating."""
+
+    def fp32_stage() -> Path:
+        fp32 = export_stage("fp32")
+        if whole:
+            validate_stage(fp32, ("fp32", *base))
+        return fp32
+
+    def bf16_stage() -> Path:
+        bf16 = export_stage("bf16")
+        if whole:
+            validate_stage(bf16, ("bf16", *base))
+        else:
+            log("[validate onnx-bf16] structural checks (`check`) passed at export; not run whole: "
+                "ONNX Runtime's CPU EP has no bf16 kernels and onnx.reference cannot run it at this size "
+                "(the slice ran the same traced code in fp32)")
+        return bf16
+
     if whole:
-        validate_stage(fp32, ("fp32", *base))
+        fp32, bf16 = fp32_stage(), bf16_stage()
+        fp32_graph, bf16_graph = (lambda: fp32), (lambda: bf16)
     else:
+        fp32 = fp32_stage()
         slice_stage(model_dir, out, cfg, opts, base, stages, res, log)
-    bf16 = export_stage("bf16")
-    if whole:
-        validate_stage(bf16, ("bf16", *base))
-    else:
-        log("[validate onnx-bf16] structural checks (`check`) passed at export; not run whole: "
-            "ONNX Runtime's CPU EP has no bf16 kernels and onnx.reference cannot run it at this size "
-            "(the slices above ran the same traced code in fp32)")
-    if opts.precision == "fp8":
-        return fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole, res, writer)
-    return bf16
+        fp32_graph, bf16_graph = (lambda: fp32), bf16_stage
+    if opts.precision != "fp8":
+        return bf16_graph()
+    return fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, log, keys, whole, res, writer)
 
 
 def stage_keys(base: tuple, opts: BuildOptions) -> dict[str, str]:
@@ -285,7 +315,7 @@ def validation_mode(cfg, opts: BuildOptions) -> tuple[bool, str]:
         return opts.validation == "whole", f"requested ({figures})"
     if need <= have // 2:
         return True, figures
-    return False, figures + "; validating one layer of each kind with the real weights instead"
+    return False, figures + "; validating the first layer of each kind with the real weights instead"
 
 
 def slice_stage(model_dir, out, cfg, opts, base, stages, res, log) -> None:
@@ -343,7 +373,10 @@ def record_fp8_weights(stages, key: str, weights, sec: float) -> None:
                                         "seconds": round(sec, 2)})
 
 
-def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole, res, writer=None) -> Path:
+def fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, log, keys, whole, res,
+               writer=None) -> Path:
+    """Calibrate, the FP8 weights, both FP8 graphs, their checks. fp32_graph(), bf16_graph(): the graphs'
+    folders, asked for after the calibration (background exports may run until then)."""
     from clover_export.engines.calibration import HELDOUT_PROMPTS, agreement, prompt_batch, read_prompts
     from clover_export.engines.fp8 import calibrate, quantize_graph
     prompts = read_prompts(opts.calib)
@@ -355,9 +388,8 @@ def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole,
     else:
         t = time.perf_counter()
         from clover_export.engines.stream_calib import streamed_model
-        from clover_export.exporter.artifact import load_artifact
 
-        block_size = load_artifact(fp32).block_size
+        block_size = cfg.block_size  # the graphs' (build exports at the config's block size)
         model = streamed_model(model_dir, block_size)  # one layer's weights resident at a time
         try:
             amax = calibrate(model_dir, prompt_batch(model_dir, prompts, block_size), block_size, model=model)
@@ -367,6 +399,7 @@ def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole,
             f"(layer by layer on {next(iter(model.lm_head.parameters())).device})")
         stages.record("calibrate", calib_key, {"amax": amax, "prompts": len(prompts)})
         res.ran.append("calibrate")
+    fp32, bf16 = fp32_graph(), bf16_graph()
     weights = fp8_weights_stage(out, fp32, stages, log, keys, res, writer)
     for src, name in ((fp32, "onnx-fp8"), (bf16, "onnx-fp8-bf16")):
         key = keys[f"quantize-{name}"]
@@ -387,7 +420,7 @@ def fp8_stages(model_dir, out, fp32, bf16, base, opts, stages, log, keys, whole,
     elif not whole:
         agr = None
         log("[validate onnx-fp8] skipped: top-1 agreement plays the whole fp32 and FP8 graphs in ONNX Runtime, "
-            "and this build validates slices, not whole graphs (see [validate] above)")
+            "and this build validates a slice, not whole graphs (see [validate] above)")
     else:
         a = agreement(fp32, out / "onnx-fp8", model_dir, HELDOUT_PROMPTS)
         log(f"[validate onnx-fp8] {a.line()}")

@@ -69,7 +69,8 @@ def plans_lines(plans: dict) -> list[str]:
 @click.option("--force", is_flag=True, help="Redo every stage of an earlier build in OUT instead of reusing it.")
 @click.option("--validation", type=click.Choice(["auto", "whole", "slice"]), default="auto", show_default=True,
               help="whole: every graph against the reference model in ONNX Runtime (~5x the bf16 weights in RAM); "
-                   "slice: one layer of each kind at full width; auto: whole when it fits in half the memory.")
+                   "slice: the first layer of each kind (with embedding, norm, lm_head) at full width; "
+                   "auto: whole when it fits in half the memory.")
 def build(model, out, precision, max_batch, max_context, chunk, weights, calib, gpu_memory, strip_weights,
           require_engine, allow_qwen, force, validation):
     """Turn MODEL into validated ONNX graphs and a TensorRT engine.
@@ -85,9 +86,10 @@ def build(model, out, precision, max_batch, max_context, chunk, weights, calib, 
     filesystem is too small; no weight is converted into a new file (the
     fp32 graph casts the bf16 shards in the graph); FP8 weights are written
     once and shared by both FP8 graphs; calibration streams the model layer
-    by layer; where the whole graph does not fit in memory, one layer of
-    each kind is validated at full width instead. Ctrl-C keeps finished
-    stages; re-running continues.
+    by layer; where the whole graph does not fit in memory, the first layer
+    of each kind (with embedding, norm and lm_head) is validated at full
+    width instead, while the bf16 graph is exported in a background process.
+    Ctrl-C keeps finished stages; re-running continues.
     """
     from clover_export.engines.build import BuildOptions, build as run_build
 

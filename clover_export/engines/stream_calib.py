@@ -4,13 +4,15 @@ FP8 calibration of the 35B model cannot hold the whole reference model in
 memory (~130 GB in fp32). `streamed_model` builds the usual `CloverModel`
 on the meta device and gives each decoder layer a pre-forward hook that
 loads its weights (read past the page cache, `direct_io`; converted to the
-model dtype but for routed experts, kept as stored; moved to the device) and
-a forward hook that drops them again: one layer's weights are in use at a
-time, the next layer's are being read in a thread, next to the embedding
-(kept as stored, rows cast on lookup), final norm and lm_head. The model's
-own `step` runs unchanged (but for the MoE core, below), so calibration
-hooks on its Linear modules see what the whole model would show them
-(tests/test_build_fullsize.py compares the two).
+model dtype; moved to the device) and a forward hook that drops them again:
+one layer's weights are in use at a time, the next layer's are being read in
+a thread, next to the embedding (kept as stored, rows cast on lookup), final
+norm and lm_head. Routed experts stay as stored, views into the arena they
+were read into (`DirectReader.read_views`: no copy of the layer's 1.6 GiB),
+handed to the MoE core by the loader (the module's expert parameters stay
+on the meta device). The model's own `step` runs unchanged (but for the MoE
+core, below), so calibration hooks on its Linear modules see what the whole
+model would show them (tests/test_build_fullsize.py compares the two).
 
 The reference `moe_core` is dense over experts (no data-dependent control
 flow, as the graph needs): 256 experts x every row is ~1.6 GFLOP per token
@@ -28,8 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from clover_export.checkpoint import TORCH_DTYPES, locate_tensors, plan_tensors
-from clover_export.direct_io import DirectReader
+from clover_export.direct_io import Arena, DirectReader
 from clover_export.names import EMBED
+
+EXPERTS = "<routed experts>"  # a layer state's entry for `_LayerLoader.experts`, never a parameter name
 
 
 class _Progress:
@@ -53,7 +57,10 @@ class _Progress:
 
 
 def routed_moe_core(x, router_w, gate_up, down, top_k: int, top_p: float, coreset: bool, block_size: int):
-    """`model.moe.moe_core` with each expert run only on its routed rows (module docstring)."""
+    """`model.moe.moe_core` with each expert run only on its routed rows (module docstring).
+
+    gate_up, down: [E, out, in] tensors, or per expert a tuple of row blocks of its [out, in] weight (a
+    per-expert checkpoint's gate and up, as read: `_LayerLoader`); any float dtype, cast one expert at a time."""
     from clover_export import assumed
     from clover_export.model.moe import route
 
@@ -70,11 +77,25 @@ def routed_moe_core(x, router_w, gate_up, down, top_k: int, top_p: float, corese
     out = torch.zeros_like(flat)
     for e in torch.nonzero(picked.any(0)).flatten().tolist():
         rows = torch.nonzero(picked[:, e]).flatten()
-        # experts may be stored narrower than x (the slice reference keeps them bf16): cast one at a time
-        gate, up = F.linear(flat[rows], gate_up[e].to(x.dtype)).chunk(2, dim=-1)
-        out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e].to(x.dtype)) * weights[rows, e:e + 1])
+        gate, up = F.linear(flat[rows], expert_weight(gate_up[e], x.dtype)).chunk(2, dim=-1)
+        out.index_add_(0, rows, F.linear(F.silu(gate) * up, expert_weight(down[e], x.dtype)) * weights[rows, e:e + 1])
     distinct = chosen[:, Tc:].any(dim=1).sum(-1).to(torch.int32)
     return out.reshape(B, T, D), distinct
+
+
+def expert_weight(w, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's [out, in] weight in `dtype`: w itself cast, or its row blocks cast into one tensor (the
+    cast is the copy: a per-expert checkpoint costs no more than a fused one)."""
+    if isinstance(w, torch.Tensor):
+        return w.to(dtype)
+    if len(w) == 1:
+        return w[0].to(dtype)
+    out = torch.empty((sum(p.shape[0] for p in w), w[0].shape[1]), dtype=dtype, device=w[0].device)
+    row = 0
+    for p in w:
+        out[row:row + p.shape[0]].copy_(p)
+        row += p.shape[0]
+    return out
 
 
 def keeps_stored(name: str, stored: torch.dtype, dtype: torch.dtype) -> bool:
@@ -95,45 +116,71 @@ class _LayerLoader:
     thread while the current one runs (reading 1.6 GiB of experts is as long as running them on this CPU).
 
     Reads go past the page cache (`direct_io`: a pass over 64 GiB of experts gains nothing from it on a
-    24 GB machine). Routed experts land in two reused buffers (the layer running, the layer being read),
-    fused from per-expert checkpoints, so no layer allocates afresh."""
+    24 GB machine). Routed experts are read into one of two reused arenas (the layer running, the layer
+    being read) and used from there as stored (`DirectReader.read_views`), so no layer allocates afresh
+    and nothing copies them; `experts` is the running layer's (gate_up, down), set by its pre-hook."""
 
     def __init__(self, plans: dict, model: torch.nn.Module, dtype: torch.dtype, device: str, direct: bool = True):
         self.plans, self.dtype, self.device = plans, dtype, device
         self.layers = model.model.layers
-        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.arenas = (Arena(), Arena())
         self.reader = DirectReader(direct)
         self.slot = 0
         self.ahead: tuple[int, threading.Thread, dict] | None = None
+        self.experts: tuple | None = None
 
     def state(self, prefix: str, module: torch.nn.Module, slot: int = 0) -> dict[str, torch.Tensor]:
         """The module's weights for the reference model: read in file order past the page cache, cast to the
-        model dtype but for routed experts kept as stored (`keeps_stored`), which land in the buffers of `slot`."""
-        out, dest = {}, {}
+        model dtype; routed experts (read into the arena of `slot`, as stored) under `EXPERTS`, the module's
+        expert parameters as meta tensors."""
+        out, dest, experts = {}, {}, {}
         for name, p in module.named_parameters():
             full = prefix + name
             plan = self.plans.get(full)
             if plan is None:  # opted-in Qwen: zero-filled
                 out[name] = reference_weight(full, torch.zeros(p.shape), self.dtype, self.device)
+                if ".mlp.experts." in full:
+                    experts[name] = out[name]
+                    out[name] = torch.empty(p.shape, device="meta")
+                continue
+            if ".mlp.experts." in full:
+                experts[name], out[name] = plan, torch.empty(p.shape, device="meta")
                 continue
             stored = TORCH_DTYPES[plan.parts[0][0].dtype]
-            if ".mlp.experts." in full:  # fused into the slot's reused buffer, as stored
-                key = (slot, name, plan.shape, stored)
-                if key not in self.buffers:
-                    self.buffers[key] = torch.empty(plan.shape, dtype=stored)
-                buf = out[name] = self.buffers[key]
-                for e, grp in enumerate(plan.parts):
-                    row = 0
-                    for loc in grp:
-                        dest[loc] = buf if plan.fused else buf[e, row:row + loc.shape[0]]
-                        row += loc.shape[0]
-            else:  # cast into a tensor of its own (the embedding table: kept as stored, `streamed_model`)
-                dtype = stored if full == EMBED else self.dtype
-                dest[plan.parts[0][0]] = out[name] = torch.empty(plan.shape, dtype=dtype)
+            dtype = stored if full == EMBED else self.dtype  # the embedding table: kept as stored, `streamed_model`
+            dest[plan.parts[0][0]] = out[name] = torch.empty(plan.shape, dtype=dtype)
         for loc, first, piece in self.reader.read(dest):  # `piece`: a view into the reader's staging buffer
             dest[loc].view(-1)[first:first + piece.numel()].copy_(piece)
-        return {n: t.to(self.device) if prefix + n == EMBED else reference_weight(prefix + n, t, self.dtype, self.device)
-                for n, t in out.items()}
+        state = {n: t if t.device.type == "meta" else t.to(self.device) if prefix + n == EMBED else
+                 reference_weight(prefix + n, t, self.dtype, self.device) for n, t in out.items()}
+        if experts:
+            state[EXPERTS] = self._experts(experts, slot)
+        return state
+
+    def _experts(self, experts: dict, slot: int) -> tuple:
+        """(gate_up, down) for `routed_moe_core`: views into the slot's arena, per expert a tuple of row blocks
+        (or one [E, out, in] tensor when fused); on a GPU, fused there."""
+        plans = {n: v for n, v in experts.items() if not isinstance(v, torch.Tensor)}
+        views = self.reader.read_views([loc for plan in plans.values() for grp in plan.parts for loc in grp],
+                                       self.arenas[slot]) if plans else {}
+        out = []
+        for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            v = experts[name]
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif v.fused:
+                out.append(views[v.parts[0][0]].to(self.device))
+            elif self.device == "cpu":
+                out.append([tuple(views[loc] for loc in grp) for grp in v.parts])
+            else:
+                fused = torch.empty(v.shape, dtype=views[v.parts[0][0]].dtype, device=self.device)
+                for e, grp in enumerate(v.parts):
+                    row = 0
+                    for loc in grp:
+                        fused[e, row:row + loc.shape[0]].copy_(views[loc])
+                        row += loc.shape[0]
+                out.append(fused)
+        return tuple(out)
 
     def _read(self, i: int, slot: int, box: dict) -> None:
         try:
@@ -190,15 +237,21 @@ def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.
     for i, layer in enumerate(model.model.layers):
         def load(mod, args, i=i):
             state = loader.load(i) if read_ahead else loader.state(f"model.layers.{i}.", mod, slot=0)
+            loader.experts = state.pop(EXPERTS, None)
             mod.load_state_dict(state, strict=True, assign=True)
 
         def drop(mod, args, output):
             mod.to("meta")
+            loader.experts = None
             progress.tick()
 
         layer.register_forward_pre_hook(load)
         layer.register_forward_hook(drop)
-    model.cores = replace(model.cores, moe=routed_moe_core)
+
+    def moe(x, router_w, gate_up, down, *rest):  # the running layer's experts as read, not its meta parameters
+        return routed_moe_core(x, router_w, *loader.experts, *rest)
+
+    model.cores = replace(model.cores, moe=moe)
     model.eval().requires_grad_(False)
     inner_step = model.step
 

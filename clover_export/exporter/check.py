@@ -302,6 +302,20 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
     sizes: dict[Path, int] = {}
     hard = set()
     root = folder.resolve()
+    problems: dict[str, str | None] = {}  # per location (a few shards for ~1000 initializers): its path checks
+
+    def location_problem(loc: str) -> str | None:
+        if loc not in problems:
+            if not loc or os.path.isabs(loc) or "\\" in loc or ".." in Path(loc).parts:
+                problems[loc] = f"external data location {loc!r} must be relative, without '..'"
+            elif _has_symlink(folder, Path(loc)):
+                problems[loc] = f"{loc} is or passes through a symlink (onnx and ONNX Runtime reject them)"
+            elif root not in (folder / loc).resolve().parents:
+                problems[loc] = f"{loc} resolves outside the folder"
+            else:
+                problems[loc] = None
+        return problems[loc]
+
     for t in proto.graph.initializer:
         if t.data_location != TensorProto.EXTERNAL:
             continue
@@ -309,18 +323,15 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
         loc = info.get("location", "")
         where = f"initializer '{t.name}'"
         if not loc or os.path.isabs(loc) or "\\" in loc or ".." in Path(loc).parts:
-            rep.add("fail", where, f"external data location {loc!r} must be relative, without '..'")
+            rep.add("fail", where, location_problem(loc))
             continue
         path = folder / loc
         offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
         if mode == "map" and not wmap.get(t.name, {}).get("converted", True):
             path = Path(wmap[t.name]["file"])  # mapped: the shard in place, read by ort_session
             offset, length = wmap[t.name]["offset"], wmap[t.name]["length"]
-        elif _has_symlink(folder, Path(loc)):
-            rep.add("fail", where, f"{loc} is or passes through a symlink (onnx and ONNX Runtime reject them)")
-            continue
-        elif root not in path.resolve().parents:
-            rep.add("fail", where, f"{loc} resolves outside the folder")
+        elif location_problem(loc):
+            rep.add("fail", where, location_problem(loc))
             continue
         if path not in sizes:
             if not path.exists():

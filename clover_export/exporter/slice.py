@@ -1,18 +1,27 @@
-"""Validation that scales: one-layer slices of the model at full width (issue 11).
+"""Validation that scales: a slice of the model at full width (issue 11).
 
 Whole-graph validation runs the fp32 step graph in ONNX Runtime next to the
 fp32 reference model: ~5x the bf16 weights in RAM, ~330 GB for the 35B
-model. A slice is the model cut down to ONE decoder layer -- the first
-layer of a kind (GDN, attention) -- with the embedding, final norm and
+model. The slice is the model cut down to the first decoder layer of each
+kind (GDN, attention), in model order, with the embedding, final norm and
 lm_head, every tensor the real one at full width. It is exported by the same
 code as the whole graph (`export(..., config=, tensor_plans=)`, weights
 referenced in place -- `map`: ONNX Runtime gets the shards' memory-mapped
-bytes -- and cast in the graph), then played in ONNX Runtime (CPU, graph
-optimisations off, so the in-graph casts are not folded into resident fp32
-copies; the graph as `lean_casts` rewrites it, so no cast is of a whole
-embedding or expert tensor) and, after that session is gone, by the reference model built from
-the same checkpoint tensors; the validation scenario and tolerances are
-`validate.py`'s. One layer's weights are resident at a time.
+bytes -- and cast in the graph; its config is the whole export's traced
+prototype, so after an fp32 export in the same process `trace.py` reuses
+that trace), then played in
+ONNX Runtime (CPU, graph optimisations off, so the in-graph casts are not
+folded into resident fp32 copies; the graph as `lean_casts` rewrites it, so
+no cast is of a whole embedding or expert tensor) and, after that session is
+gone, by the reference model built from the same checkpoint tensors; the
+validation scenario and tolerances are `validate.py`'s. The slice's layers
+are resident at a time (~3.3 GiB of bf16 at full size, most of it experts).
+
+One slice of all kinds, not one per kind: the embedding, lm_head (the
+largest GEMM of the scenario: ~0.55 TFLOP over its rows, run by both
+sides) and the trace are paid once. A wrong layer still shows: the report
+names each slice layer's model layer, and its `present.*` states are
+compared one by one.
 
 `whole_validation_bytes` is the estimate `build` compares with the machine's
 memory to pick whole-graph or slice validation.
@@ -58,50 +67,52 @@ def available_memory() -> int:
 
 
 def slice_layers(cfg: CloverConfig) -> list[int]:
-    """The first layer of each kind the model has."""
-    return [cfg.layer_types.index(k) for k in KINDS if k in cfg.layer_types]
+    """The first layer of each kind the model has, in model order."""
+    return sorted(cfg.layer_types.index(k) for k in KINDS if k in cfg.layer_types)
 
 
-def slice_config(cfg: CloverConfig, layer: int) -> CloverConfig:
+def slice_config(cfg: CloverConfig, layers: list[int]) -> CloverConfig:
     d = cfg.to_dict()
-    d.update(num_hidden_layers=1, layer_types=[cfg.layer_types[layer]])
-    return config_from_dict(d, source=f"{cfg.source} (slice: layer {layer})")
+    d.update(num_hidden_layers=len(layers), layer_types=[cfg.layer_types[i] for i in layers])
+    return config_from_dict(d, source=f"{cfg.source} (slice: layers {', '.join(map(str, layers))})")
 
 
-def slice_plans(plans: dict[str, TensorPlan], layer: int) -> dict[str, TensorPlan]:
-    """The checkpoint plans of layer `layer` renamed to layer 0, plus every non-layer tensor."""
+def slice_plans(plans: dict[str, TensorPlan], layers: list[int]) -> dict[str, TensorPlan]:
+    """The checkpoint plans of model layer `layers[j]` renamed to layer j, plus every non-layer tensor."""
+    index = {layer: j for j, layer in enumerate(layers)}
     out = {}
     for name, plan in plans.items():
         m = _LAYER.match(name)
         if m is None:
             out[name] = plan
-        elif int(m.group(1)) == layer:
-            new = f"model.layers.0.{name[m.end():]}"
+        elif int(m.group(1)) in index:
+            new = f"model.layers.{index[int(m.group(1))]}.{name[m.end():]}"
             out[new] = TensorPlan(new, plan.shape, plan.parts, plan.fused)
     return out
 
 
-def graph_plans(plans: dict[str, TensorPlan], layer: int) -> dict[str, TensorPlan]:
+def graph_plans(plans: dict[str, TensorPlan], layers: list[int]) -> dict[str, TensorPlan]:
     """The tensors the slice GRAPH is exported with (tests swap this to plant a wrong layer)."""
-    return slice_plans(plans, layer)
+    return slice_plans(plans, layers)
 
 
 @dataclass
 class SliceResult:
-    layer: int
-    kind: str
+    layers: list[int]  # model layers, in slice order
+    kinds: list[str]
     passed: bool
     report: str
     seconds: float
 
     def line(self) -> str:
-        return (f"slice layer {self.layer} ({self.kind}) + embedding, norm, lm_head at full width: "
+        which = ", ".join(f"{layer} ({kind})" for layer, kind in zip(self.layers, self.kinds))
+        return (f"slice of layers {which} + embedding, norm, lm_head at full width: "
                 f"{'PASS' if self.passed else 'FAIL'} in {self.seconds:.1f} s")
 
 
 def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, max_batch: int,
                     log=lambda s: None) -> list[SliceResult]:
-    """Export and validate one slice per layer kind under WORK (removed afterwards)."""
+    """Export and validate the slice (module docstring) under WORK (removed afterwards)."""
     import time
 
     from clover_export.config import load_config
@@ -109,26 +120,24 @@ def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, ma
 
     cfg = load_config(model_dir)
     plans = plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=True)
-    results = []
-    for layer in slice_layers(cfg):
-        t = time.perf_counter()
-        scfg = slice_config(cfg, layer)
-        folder = work / f"slice-layer{layer}"
-        try:
-            export(model_dir, folder, dtype="fp32", weights="map", block_size=block_size, chunk=chunk,
-                   max_batch=max_batch, max_len=max(64, 2 * block_size + 16), config=scfg,
-                   tensor_plans=graph_plans(plans, layer))
-            passed, text = _play_and_compare(folder, scfg, slice_plans(plans, layer))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        res = SliceResult(layer, cfg.layer_types[layer], passed, text, time.perf_counter() - t)
-        log(res.line())
-        results.append(res)
-    shutil.rmtree(work, ignore_errors=True)
-    return results
+    layers = slice_layers(cfg)
+    t = time.perf_counter()
+    scfg = slice_config(cfg, layers)
+    folder = work / "slice"
+    try:
+        export(model_dir, folder, dtype="fp32", weights="map", block_size=block_size, chunk=chunk,
+               max_batch=max_batch, max_len=max(64, 2 * block_size + 16), config=scfg,
+               tensor_plans=graph_plans(plans, layers))
+        passed, text = _play_and_compare(folder, scfg, slice_plans(plans, layers), layers)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res = SliceResult(layers, [cfg.layer_types[i] for i in layers], passed, text, time.perf_counter() - t)
+    log(res.line())
+    return [res]
 
 
-def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorPlan]) -> tuple[bool, str]:
+def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorPlan],
+                      layers: list[int]) -> tuple[bool, str]:
     """validate.py's scenario (draw 0) on ONNX Runtime, then on the reference slice; never both resident."""
     import onnxruntime as ort
 
@@ -162,6 +171,8 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
     _release_memory()
     rep = V.ValidationReport(steps=[p.name for p in plans_], runners=["onnxruntime-cpu"])
     rep.errors = V.compare("onnxruntime-cpu", got, expected, V.fp32_tolerance)
+    rep.notes.append("slice layer -> model layer: " + ", ".join(
+        f"{j} -> {layer} ({kind})" for j, (layer, kind) in enumerate(zip(layers, scfg.layer_types))))
     return rep.passed, rep.format()
 
 

@@ -78,6 +78,7 @@ def _dynamic_shapes(cfg, block_size):
 
 
 _CACHE: dict[tuple, TracedGraph] = {}
+_TRACES: dict[tuple, bytes] = {}  # torch.onnx traces by (config, dtype, block size): a prototype is a model too
 
 
 def trace_step(cfg: CloverConfig, dtype: torch.dtype, block_size: int, replicate: bool = True) -> TracedGraph:
@@ -116,7 +117,18 @@ def _trace(cfg: CloverConfig, dtype: torch.dtype, block_size: int, replicate: bo
 
 
 def _export(cfg: CloverConfig, dtype: torch.dtype, block_size: int) -> onnx.ModelProto:
-    """torch.onnx.export of cfg's model on the meta device, custom ops opaque, weights left out."""
+    """torch.onnx.export of cfg's model on the meta device, custom ops opaque, weights left out.
+
+    Repeated calls in a process reuse the trace: the whole graph's prototype [GDN, attention] is also the
+    config of the validation slice (`slice.py`; ~10 s of CPU a trace at full width), so validating slices
+    after exporting the whole fp32 graph in one process traces once."""
+    key = (cfg.fingerprint(), dtype, block_size)
+    if key not in _TRACES:
+        _TRACES[key] = _torch_export(cfg, dtype, block_size).SerializeToString()
+    return onnx.load_from_string(_TRACES[key])
+
+
+def _torch_export(cfg: CloverConfig, dtype: torch.dtype, block_size: int) -> onnx.ModelProto:
     import onnx_ir as ir
 
     from clover_export.models import build_model
