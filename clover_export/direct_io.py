@@ -34,6 +34,7 @@ import mmap
 import os
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from clover_export.checkpoint import TORCH_DTYPES, TensorLocation
@@ -227,6 +228,9 @@ class DirectWriter:
             self.direct = False
             self.fd = os.open(path, flags, 0o644)
         self.buf = mmap.mmap(-1, self.CHUNK)  # page-aligned
+        # copies and fills through numpy release the GIL (a 64 MiB memcpy under it stalled the build's
+        # Python-bound stages beside the writer thread)
+        self._arr = np.frombuffer(self.buf, dtype=np.uint8)
         self.fill = 0  # bytes in buf
         self.flushed = 0  # bytes in the file
 
@@ -234,12 +238,12 @@ class DirectWriter:
         return self.flushed + self.fill
 
     def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
-        while len(mv):
-            n = min(len(mv), self.CHUNK - self.fill)
-            self.buf[self.fill:self.fill + n] = mv[:n]
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        while src.size:
+            n = min(src.size, self.CHUNK - self.fill)
+            self._arr[self.fill:self.fill + n] = src[:n]
             self.fill += n
-            mv = mv[n:]
+            src = src[n:]
             if self.fill == self.CHUNK:
                 self._flush(self.CHUNK)
 
@@ -247,7 +251,7 @@ class DirectWriter:
         """n zero bytes, without building them in memory first."""
         while n:
             k = min(n, self.CHUNK - self.fill)
-            self.buf[self.fill:self.fill + k] = _ZEROS[:k]
+            self._arr[self.fill:self.fill + k] = 0
             self.fill += k
             n -= k
             if self.fill == self.CHUNK:
@@ -276,7 +280,7 @@ class DirectWriter:
         size = self.tell()
         if self.fill:
             pad = -self.fill % BLOCK
-            self.buf[self.fill:self.fill + pad] = _ZEROS[:pad]
+            self._arr[self.fill:self.fill + pad] = 0
             self._flush(self.fill + pad)
         os.ftruncate(self.fd, size)
         os.fsync(self.fd)
@@ -288,10 +292,9 @@ class DirectWriter:
         if self.fd is not None:
             fd, self.fd = self.fd, None
             os.close(fd)
+            self._arr = None  # numpy's view of the buffer: gone before it is unmapped
             try:
                 self.buf.close()
             except BufferError:  # a view still held somewhere: unmapped when it goes
                 pass
 
-
-_ZEROS = memoryview(bytes(DirectWriter.CHUNK))  # sliced without copying

@@ -153,6 +153,8 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
     # The arena stays on: the graph's casts are per expert and per gathered row (lean_casts), and without
     # it each fresh buffer costs its page faults again (5 steps: 71 s without, 23 s with, at full width).
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # no spin-waiting between ops: the build runs the bf16 export and the FP8 file writer beside this session
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     runner = V.OrtRunner.__new__(V.OrtRunner)
     runner.name, runner.outputs = "onnxruntime-cpu", art.output_names
     fed = _fed_weights(plans)
