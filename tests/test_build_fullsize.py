@@ -388,26 +388,24 @@ def test_bf16_export_runs_in_a_background_process(resumed):
     assert (out / "onnx-bf16" / "manifest.json").exists()
 
 
-def test_background_exports_hand_back_errors_and_stop_cleanly(model, tmp_path):
+def test_background_export_hands_back_errors_and_stops_cleanly(model, tmp_path):
     import time
 
-    from clover_export.engines.background import BackgroundExports
+    from clover_export.engines.background import BackgroundExport
 
-    jobs = BackgroundExports({"bad": dict(model=tmp_path / "missing", out=tmp_path / "a", dtype="bf16"),
-                              "never": dict(model=model, out=tmp_path / "c", dtype="bf16")})
-    with pytest.raises(CloverError) as e:  # crossed the process boundary with its parts; the rest never ran
-        jobs.result("never")
+    job = BackgroundExport(model=tmp_path / "missing", out=tmp_path / "a", dtype="bf16")
+    with pytest.raises(CloverError) as e:  # crossed the process boundary with its parts
+        job.result()
     assert str(tmp_path / "missing") in str(e.value) and e.value.component and e.value.message
-    jobs.stop()
-    assert not (tmp_path / "c").exists()
+    job.stop()
     out = tmp_path / "b"
-    jobs = BackgroundExports({"b": dict(model=model, out=out, dtype="bf16", max_batch=2, max_len=64, chunk=16)})
+    job = BackgroundExport(model=model, out=out, dtype="bf16", max_batch=2, max_len=64, chunk=16)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".b.*")) and time.monotonic() < deadline:  # the export is under way
         time.sleep(0.05)
     assert list(tmp_path.glob(".b.*")), "the background export never started writing"
-    jobs.stop()  # SIGINT: the child removes its temporary folder and exits
-    assert not jobs._proc.is_alive() and not out.exists() and not list(tmp_path.glob(".b.*"))
+    job.stop()  # SIGINT: the child removes its temporary folder and exits
+    assert not job._proc.is_alive() and not out.exists() and not list(tmp_path.glob(".b.*"))
 
 
 def test_ctrl_c_in_the_cli_says_how_to_continue(monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ At full size the stages in the build's own process left one of the two
 cores idle about a third of the time (the exports are single-threaded
 Python), and nothing but the FP8 graph stages needs the bf16 graph: so the
 bf16 export -- ~35 s of single-threaded CPU -- runs in a child process from
-the build's start (`BackgroundExports`; a process, not a thread: it is
+the build's start (`BackgroundExport`; a process, not a thread: it is
 Python-bound and would share the GIL), beside the fp32 export, the slice
 validation and the calibration. The child writes its folder atomically, as
 `export` always does; interrupted, it removes its temporary folder; results
@@ -97,15 +97,14 @@ def _interrupt_once(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _export_child(conn, jobs: list[dict]) -> None:
-    """Run `export(**kwargs)` for each job in order; send each result (or the error that stops the rest)."""
+def _export_child(conn, kwargs: dict) -> None:
+    """Run `export(**kwargs)`; send its result, or the error that stopped it."""
     signal.signal(signal.SIGINT, _interrupt_once)
     _die_with_parent()
     try:
         from clover_export.exporter.export import export
 
-        for kwargs in jobs:
-            conn.send(("ok", export(**kwargs)))
+        conn.send(("ok", export(**kwargs)))
     except KeyboardInterrupt:  # export has removed its temporary folder
         conn.send(("interrupted", None))
     except BaseException as e:  # handed to the build by `result`
@@ -115,44 +114,41 @@ def _export_child(conn, jobs: list[dict]) -> None:
             conn.send(("error", CloverError("export", f"{type(e).__name__}: {e}")))
 
 
-class BackgroundExports:
-    """`exporter.export.export(**kwargs)` of each job, in order, in one child process (module docstring);
-    `result(name)` waits for that job's."""
+class BackgroundExport:
+    """`exporter.export.export(**kwargs)` in a child process (module docstring); `result()` waits for it."""
 
-    def __init__(self, jobs: dict[str, dict]):
+    def __init__(self, **kwargs):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # not fork: the parent's OpenMP / torch threads
-        self.names = list(jobs)
-        self.outs = [Path(kw["out"]) for kw in jobs.values()]
-        self._got: dict[str, object] = {}
+        self.out = Path(kwargs["out"])
         self._recv, send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_export_child, args=(send, list(jobs.values())), daemon=True,
-                                 name="export-" + "+".join(self.names))
+        self._proc = ctx.Process(target=_export_child, args=(send, kwargs), daemon=True, name=f"export-{self.out.name}")
         self._proc.start()
         send.close()
+        self._result = None
 
-    def result(self, name: str):
-        """Job `name`'s `ExportResult`, waiting for the child; an error of this or an earlier job, raised here."""
-        while name not in self._got:
+    def result(self):
+        """The `ExportResult`, waiting for the child; its error, raised here."""
+        if self._result is None:
             try:
                 kind, value = self._recv.recv()
             except EOFError:
                 self._proc.join()
-                raise CloverError("build", f"the background export of {name} ended without a result (exit code "
-                                  f"{self._proc.exitcode})", "nothing of it was kept; run the build again") from None
+                raise CloverError("build", f"the background export of {self.out.name} ended without a result "
+                                  f"(exit code {self._proc.exitcode})", "nothing of it was kept; run the build again") \
+                    from None
+            self._proc.join()
             if kind == "error":
                 raise value
             if kind == "interrupted":
                 raise KeyboardInterrupt
-            self._got[self.names[len(self._got)]] = value
-        if len(self._got) == len(self.names):
-            self._proc.join()
-        return self._got[name]
+            self._result = value
+        return self._result
 
     def stop(self) -> None:
         """Interrupt the child if it still runs and wait for it (it removes its temporary folder); a child
-        that does not stop within a minute is killed and its temporary folders removed here."""
+        that does not stop within a minute is killed and its temporary folder removed here."""
         if self._proc.is_alive():
             try:
                 os.kill(self._proc.pid, signal.SIGINT)
@@ -162,7 +158,6 @@ class BackgroundExports:
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join()
-                for out in self.outs:
-                    for stale in out.parent.glob(f".{out.name}.*"):
-                        shutil.rmtree(stale, ignore_errors=True)
+                for stale in self.out.parent.glob(f".{self.out.name}.*"):
+                    shutil.rmtree(stale, ignore_errors=True)
         self._recv.close()

@@ -173,8 +173,8 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
             res.reused.append(name)
         else:
             t = time.perf_counter()
-            background = exports is not None and dtype in exports.names
-            r = exports.result(dtype) if background else export(**export_args(dtype))
+            background = dtype == "bf16" and bf16_job is not None
+            r = bf16_job.result() if background else export(**export_args(dtype))
             where = f"in a background process (waited {time.perf_counter() - t:.1f} s for it)" if background else ""
             msg = f"weights {r.weights.mode}" + (f" ({'; '.join(r.weights.messages)})" if r.weights.messages else "")
             log(f"[export {dtype}] {folder.name} in {r.seconds:.1f} s{' ' * bool(where)}{where}, {msg}, "
@@ -213,18 +213,18 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         writer = BackgroundWeights(model_dir, cfg, out / "fp8-weights")  # disk-bound: beside the CPU-bound stages
         log("[quantize] fp8-weights: writing in the background (disk-bound) while the graphs are exported, "
             "validated and calibrated")
-    exports = None
+    bf16_job = None
     if not whole and not stages.done("export-bf16", keys["export-bf16"], out / "onnx-bf16"):
-        from clover_export.engines.background import BackgroundExports
+        from clover_export.engines.background import BackgroundExport
 
-        exports = BackgroundExports({"bf16": export_args("bf16")})  # Python-bound: beside the stages below
+        bf16_job = BackgroundExport(**export_args("bf16"))  # Python-bound: beside the stages below
         log("[export bf16] in a background process beside the stages below")
     try:
         engine_graph = _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole,
                                      export_stage, validate_stage, writer)
     finally:
-        if exports is not None:
-            exports.stop()  # after a failure or Ctrl-C: its temporary folder removed; else it has finished
+        if bf16_job is not None:
+            bf16_job.stop()  # after a failure or Ctrl-C: its temporary folder removed; else it has finished
         if writer is not None:
             writer.stop()  # after a failure or Ctrl-C: nothing of it stays written; else it has finished
             weights = writer.finished()

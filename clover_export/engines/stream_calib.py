@@ -137,14 +137,12 @@ class _LayerLoader:
         for name, p in module.named_parameters():
             full = prefix + name
             plan = self.plans.get(full)
+            if ".mlp.experts." in full:  # a plan (read by `_experts`), or zeros where an opted-in Qwen has none
+                experts[name] = plan if plan is not None else torch.zeros(p.shape, dtype=self.dtype, device=self.device)
+                out[name] = torch.empty(p.shape, device="meta")
+                continue
             if plan is None:  # opted-in Qwen: zero-filled
                 out[name] = reference_weight(full, torch.zeros(p.shape), self.dtype, self.device)
-                if ".mlp.experts." in full:
-                    experts[name] = out[name]
-                    out[name] = torch.empty(p.shape, device="meta")
-                continue
-            if ".mlp.experts." in full:
-                experts[name], out[name] = plan, torch.empty(p.shape, device="meta")
                 continue
             stored = TORCH_DTYPES[plan.parts[0][0].dtype]
             dtype = stored if full == EMBED else self.dtype  # the embedding table: kept as stored, `streamed_model`

@@ -302,13 +302,12 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
     sizes: dict[Path, int] = {}
     hard = set()
     root = folder.resolve()
-    problems: dict[str, str | None] = {}  # per location (a few shards for ~1000 initializers): its path checks
+    problems: dict[str, str | None] = {}  # per location (a few shards for ~1000 initializers)
 
-    def location_problem(loc: str) -> str | None:
+    def path_problem(loc: str) -> str | None:
+        """What the file system says of a relative location: checked once per location."""
         if loc not in problems:
-            if not loc or os.path.isabs(loc) or "\\" in loc or ".." in Path(loc).parts:
-                problems[loc] = f"external data location {loc!r} must be relative, without '..'"
-            elif _has_symlink(folder, Path(loc)):
+            if _has_symlink(folder, Path(loc)):
                 problems[loc] = f"{loc} is or passes through a symlink (onnx and ONNX Runtime reject them)"
             elif root not in (folder / loc).resolve().parents:
                 problems[loc] = f"{loc} resolves outside the folder"
@@ -323,15 +322,15 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
         loc = info.get("location", "")
         where = f"initializer '{t.name}'"
         if not loc or os.path.isabs(loc) or "\\" in loc or ".." in Path(loc).parts:
-            rep.add("fail", where, location_problem(loc))
+            rep.add("fail", where, f"external data location {loc!r} must be relative, without '..'")
             continue
         path = folder / loc
         offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
         if mode == "map" and not wmap.get(t.name, {}).get("converted", True):
             path = Path(wmap[t.name]["file"])  # mapped: the shard in place, read by ort_session
             offset, length = wmap[t.name]["offset"], wmap[t.name]["length"]
-        elif location_problem(loc):
-            rep.add("fail", where, location_problem(loc))
+        elif path_problem(loc):
+            rep.add("fail", where, path_problem(loc))
             continue
         if path not in sizes:
             if not path.exists():

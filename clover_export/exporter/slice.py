@@ -18,7 +18,7 @@ validation scenario and tolerances are `validate.py`'s. The slice's layers
 are resident at a time (~3.3 GiB of bf16 at full size, most of it experts).
 
 One slice of all kinds, not one per kind: the embedding, lm_head (the
-largest GEMM of the scenario: ~0.55 TFLOP over its rows, run by both
+largest GEMM of the scenario: ~0.33 TFLOP over its 320 block rows, run by both
 sides) and the trace are paid once. A wrong layer still shows: the report
 names each slice layer's model layer, and its `present.*` states are
 compared one by one.
