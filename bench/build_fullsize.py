@@ -2,9 +2,13 @@
 
 The checkpoint is `export_fullsize.py`'s: the real config, real safetensors
 headers, experts stored per expert, zero (sparse) data. Each build runs as a
-subprocess under a small wrapper that reports its peak RSS. Printed per
-build: wall time, peak RSS, bytes written (each inode counted once, the
-checkpoint's hard-linked shards excluded) and the build log's stage lines;
+subprocess. Printed per build: wall time, CPU seconds (the build and its
+child processes), peak RSS of the whole process tree (the build runs its bf16
+export in a child process beside its own stages: the RSS of every process
+in the tree is summed, sampled every 0.1 s; shared library pages count
+once per process, so this overstates a little), bytes written (each inode
+counted once, the checkpoint's hard-linked shards excluded) and the build
+log's stage lines, each with the time it was printed;
 for fp8 also the FP8 weight bytes, and the disk write rate achieved vs a
 plain sequential write of the same number of bytes measured in the same run
 (written, fsynced, deleted before the fp8 build starts).
@@ -24,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,9 +36,51 @@ sys.path.insert(0, str(Path(__file__).parent))
 from export_fullsize import full_config, write_sparse_checkpoint  # noqa: E402
 
 GiB = 2**30
-WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
-           "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
-           "print('PEAK_RSS', u.ru_maxrss * 1024, u.ru_utime + u.ru_stime, file=sys.stderr); sys.exit(rc)")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class TreeRss:
+    """Peak of the summed RSS of a process and its descendants, sampled every `period` seconds in a thread."""
+
+    def __init__(self, pid: int, period: float = 0.1):
+        self.pid, self.period, self.peak, self.at_peak = pid, period, 0, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> dict[int, int]:
+        """pid -> RSS bytes of self.pid and its descendants (one scan of /proc)."""
+        parent, rss = {}, {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):  # gone meanwhile
+                    continue
+        tree, todo = set(), [self.pid]
+        while todo:
+            p = todo.pop()
+            tree.add(p)
+            todo.extend(c for c, pp in parent.items() if pp == p and c not in tree)
+        for p in tree:
+            try:
+                with open(f"/proc/{p}/statm") as f:
+                    rss[p] = int(f.read().split()[1]) * PAGE
+            except (OSError, IndexError, ValueError):
+                pass
+        return rss
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            rss = self._tree()
+            if sum(rss.values()) > self.peak:
+                self.peak, self.at_peak = sum(rss.values()), rss
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 def written_bytes(folder: Path, skip: set) -> int:
@@ -49,18 +96,41 @@ def written_bytes(folder: Path, skip: set) -> int:
 
 
 def run_build(ckpt: Path, out: Path, precision: str) -> dict:
-    cmd = [sys.executable, "-c", WRAPPER, sys.executable, "-m", "clover_export.cli", "build", str(ckpt),
-           "--out", str(out), "--precision", precision, "--max-batch", "1", "--max-context", "4096"]
+    r = run_tree([sys.executable, "-m", "clover_export.cli", "build", str(ckpt), "--out", str(out),
+                  "--precision", precision, "--max-batch", "1", "--max-context", "4096"], f"{precision} build")
+    r["log"] = [f"[{at:6.1f} s] {line}" for at, line in r["lines"]
+                if line.startswith("[") or "plan" in line or "build" in line]
+    return r
+
+
+def run_tree(cmd: list[str], what: str) -> dict:
+    """Run cmd; wall, CPU seconds, peak tree RSS (`TreeRss`) and its stdout lines, each with when it came."""
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    rss = TreeRss(proc.pid)
+    err: list[str] = []
+    drain = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # progress bars
+    drain.start()
+    lines = [(time.perf_counter() - t, line.rstrip("\n")) for line in proc.stdout]  # stamped as printed
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t
-    peak, cpu = next((int(w[1]), float(w[2])) for w in map(str.split, proc.stderr.splitlines())
-                     if w and w[0] == "PEAK_RSS")
-    log = [line for line in proc.stdout.splitlines() if line.startswith("[") or "plan" in line or "build" in line]
+    peak = rss.stop()
+    drain.join()
+    cpu = usage.ru_utime + usage.ru_stime  # the build's and its (waited-for) child processes'
     if proc.returncode:
-        print("\n".join(proc.stdout.splitlines()[-30:]), "\n", proc.stderr[-3000:])
-        raise SystemExit(f"{precision} build failed (exit {proc.returncode})")
-    return {"wall": wall, "peak": peak, "cpu": cpu, "log": log}
+        print("\n".join(line for _, line in lines[-30:]), "\n", "".join(err)[-3000:])
+        raise SystemExit(f"{what} failed (exit {proc.returncode})")
+    return {"wall": wall, "peak": peak, "cpu": cpu, "lines": lines, "max_single": usage.ru_maxrss * 1024,
+            "at_peak": rss.at_peak}
+
+
+def peak_line(r: dict) -> str:
+    """Peak RSS of the process tree, with what each process held at that moment."""
+    parts = " + ".join(f"{v / GiB:.2f}" for v in sorted(r["at_peak"].values(), reverse=True))
+    return (f"peak RSS {r['peak'] / GiB:.2f} GiB (process tree: {parts} GiB; largest single process "
+            f"{r['max_single'] / GiB:.2f} GiB)")
 
 
 def plain_write(path: Path, nbytes: int, chunk: int = 64 * 2**20) -> float:
@@ -96,7 +166,7 @@ def main() -> None:
         if args.only in (None, "bf16"):
             r = run_build(ckpt, work / "build-bf16", "bf16")
             print("\n".join("  " + line for line in r["log"]))
-            print(f"bf16 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), peak RSS {r['peak'] / GiB:.2f} GiB, bytes written "
+            print(f"bf16 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), {peak_line(r)}, bytes written "
                   f"{written_bytes(work / 'build-bf16', shards) / 2**20:.1f} MiB  (targets: <= 180 s, <= 12 GiB, "
                   "no weight bytes)")
             if not args.keep:
@@ -119,7 +189,7 @@ def main() -> None:
 
             stages = json.loads((work / "build-fp8" / "build.json").read_text())["stages"]
             qsec = stages["fp8-weights"]["result"]["seconds"]
-            print(f"fp8 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), peak RSS {r['peak'] / GiB:.2f} GiB, bytes written "
+            print(f"fp8 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), {peak_line(r)}, bytes written "
                   f"{written / GiB:.2f} GiB = {written / fp8_gemm:.3f} x the FP8 weight bytes ({fp8_gemm / GiB:.2f} GiB)")
             print(f"  quantisation stage: {fp8_file / GiB:.2f} GiB in {qsec:.1f} s = {fp8_file / qsec / 2**20:.0f} MiB/s "
                   f"vs plain write {fp8_file / plain / 2**20:.0f} MiB/s; wall {r['wall']:.0f} s vs target "
@@ -145,13 +215,8 @@ def fp8_weights_only(ckpt: Path, work: Path) -> None:
             "m = Path(sys.argv[1]); cfg = load_config(m); plans = plan_tensors(cfg, locate_tensors(m)); "
             "w = quantize_weights(plans, fp8_weight_names(cfg), Path(sys.argv[2])); "
             "f = os.open(w.bin, os.O_RDONLY); os.fsync(f); print('written', w.bytes_written)")
-    cmd = [sys.executable, "-c", WRAPPER, sys.executable, "-c", code, str(ckpt), str(work / "fp8-weights")]
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    if proc.returncode:
-        raise SystemExit(proc.stderr[-3000:])
-    peak, cpu = next((int(w[1]), float(w[2])) for w in map(str.split, proc.stderr.splitlines()) if w and w[0] == "PEAK_RSS")
+    r = run_tree([sys.executable, "-c", code, str(ckpt), str(work / "fp8-weights")], "the fp8-weights stage")
+    wall, peak, cpu = r["wall"], r["peak"], r["cpu"]
     written = written_bytes(work / "fp8-weights", set())
     print(f"fp8-weights stage: wall {wall:.1f} s (CPU {cpu:.1f} s, fsync included), peak RSS {peak / GiB:.2f} GiB, "
           f"{written / GiB:.2f} GiB written = {written / nbytes:.3f} x planned; {written / wall / 2**20:.0f} MiB/s "
