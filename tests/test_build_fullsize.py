@@ -46,16 +46,29 @@ def resumed(model, tmp_path_factory):
             raise KeyboardInterrupt
         return real(w)
 
+    from clover_export.engines import stream_calib
+
+    streamed, handed = stream_calib.streamed_model, [[], []]  # per build: what each streamed model was handed
+
+    def recording(run):
+        def streamed_model(*a, preloaded=None, **k):
+            handed[run].append({n: t.data_ptr() for n, t in (preloaded or {}).items()})
+            return streamed(*a, preloaded=preloaded, **k)
+        return streamed_model
+
     mp = pytest.MonkeyPatch()
     mp.setattr(fp8_weights, "quantize_weight", interrupting)
+    mp.setattr(stream_calib, "streamed_model", recording(0))
     try:
         with pytest.raises(KeyboardInterrupt):
             B.build(model, out, B.BuildOptions(**OPTS), log=logs[0].append)
     finally:
         mp.undo()
     state = {"stages": json.loads((out / "build.json").read_text())["stages"],
-             "entries": sorted(p.name for p in out.iterdir())}
-    B.build(model, out, B.BuildOptions(**OPTS), log=logs[1].append)
+             "entries": sorted(p.name for p in out.iterdir()), "handed": handed}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream_calib, "streamed_model", recording(1))
+        B.build(model, out, B.BuildOptions(**OPTS), log=logs[1].append)
     return out, logs, state
 
 
@@ -187,6 +200,38 @@ def test_slice_validation_ran_and_passed(resumed):
     assert any("[validate] a slice at full width" in line for line in logs[0])
 
 
+def test_slice_hands_its_embedding_and_lm_head_to_the_streamed_calibration(model, resumed, tmp_path):
+    """The slice's reference reads the embedding (as stored) and the fp32 lm_head; the streamed calibration
+    after it takes those tensors (not read, cast and paged in again: 3 GiB at full size) and calibrates
+    exactly as when it reads them itself; a tensor not as the model keeps it is read instead."""
+    from clover_export.checkpoint import load_state_dict
+    from clover_export.config import load_config
+    from clover_export.engines.calibration import BUILTIN_PROMPTS, prompt_batch
+    from clover_export.engines.fp8 import calibrate
+    from clover_export.engines.stream_calib import streamed_model
+    from clover_export.exporter import slice as S
+    from clover_export.names import EMBED, LM_HEAD
+
+    keep: dict = {}
+    assert S.validate_slices(model, tmp_path / "w", 8, 16, 2, keep=keep)[0].passed
+    stored = load_state_dict(model, load_config(model))
+    assert set(keep) == {EMBED, LM_HEAD}
+    assert keep[EMBED].dtype == torch.bfloat16 and torch.equal(keep[EMBED], stored[EMBED])
+    assert keep[LM_HEAD].dtype == torch.float32 and torch.equal(keep[LM_HEAD], stored[LM_HEAD].float())
+    took = streamed_model(model, 8, device="cpu", preloaded=keep)
+    assert took.model.embed_tokens.weight.data_ptr() == keep[EMBED].data_ptr()
+    assert took.lm_head.weight.data_ptr() == keep[LM_HEAD].data_ptr()
+    batch = prompt_batch(model, BUILTIN_PROMPTS[:2], 8)
+    assert calibrate(model, batch, 8, model=took) == calibrate(model, batch, 8, model=streamed_model(model, 8))
+    wrong = streamed_model(model, 8, device="cpu", preloaded={LM_HEAD: stored[LM_HEAD]})  # bf16: not as kept
+    assert wrong.lm_head.weight.dtype == torch.float32 and wrong.lm_head.weight.data_ptr() != stored[LM_HEAD].data_ptr()
+    # and the build wires them through: the run that validated the slice handed both to its calibration
+    out, logs, state = resumed
+    ran = [i for i in (0, 1) if any("[calibrate] " in s and " prompts," in s for s in logs[i])]
+    assert ran and all(any("[validate slices] slice of" in s for s in logs[i]) for i in ran)
+    assert all(set(state["handed"][i][0]) == {EMBED, LM_HEAD} for i in ran), state["handed"]
+
+
 def test_slice_validation_catches_a_wrong_layer(model, tmp_path, monkeypatch):
     """The slice holds the first GDN (0) and attention (1) layers; the graph gets layer 3's attention weights
     in place of layer 1's: the GDN state still matches, the attention layer's K/V and the logits do not."""
@@ -257,7 +302,8 @@ def test_layer_streamed_calibration_equals_whole_model_calibration(model):
 
 def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
     """Per-expert checkpoint: layer i + 1 is read in a thread while layer i runs, into one of two arenas that
-    every layer reuses, its experts used from there (views, no copy); the read-ahead gives the same
+    every layer reuses (experts, and the other weights cast in two more), its experts used from there (views,
+    no copy); the read-ahead gives the same
     calibration as reading each layer on entry, and both the same as the whole model."""
     from clover_export.engines.calibration import BUILTIN_PROMPTS, prompt_batch
     from clover_export.engines.fp8 import calibrate
@@ -273,18 +319,20 @@ def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
     batch = prompt_batch(ckpt, BUILTIN_PROMPTS[:2], 8)
     plain = calibrate(ckpt, batch, 8, model=streamed_model(ckpt, 8, device="cpu", read_ahead=False))
     streamed = streamed_model(ckpt, 8, device="cpu")
-    loader, storages = streamed.stream_loader, set()
+    loader, storages, dense = streamed.stream_loader, set(), set()
 
     def arenas(m, a):
         gate_up, down = loader.experts
         assert len(gate_up) == len(down) == m.mlp.cfg.num_experts and len(gate_up[0]) == 2  # gate, up: as read
         assert all(p.device.type == "meta" for n, p in m.named_parameters() if ".experts." in n)
         storages.update(t.untyped_storage().data_ptr() for blocks in (gate_up, down) for grp in blocks for t in grp)
+        dense.update(p.untyped_storage().data_ptr() for n, p in m.named_parameters() if ".experts." not in n)
 
     for layer in streamed.model.layers:
         layer.register_forward_pre_hook(arenas)
     assert calibrate(ckpt, batch, 8, model=streamed) == plain
     assert len(storages) == 2  # two alternating arenas for 4 layers x 2 steps
+    assert len(dense) == 2  # the other weights too: the same pages every time (fresh ones cost ~1 s a GiB)
     whole = calibrate(ckpt, batch, 8)
     assert plain.keys() == whole.keys()
     for k in whole:
@@ -304,6 +352,25 @@ def test_routed_moe_core_equals_the_dense_core():
         got, gd = routed_moe_core(*args, 3, 0.9, coreset, N)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         assert torch.equal(gd, wd)
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_routed_moe_core_casts_stored_experts_exactly(blocks):
+    """bf16 experts (fused, or per expert as row blocks, as a per-expert checkpoint is read) under an fp32
+    model: each expert cast into reused buffers gives the dense core on the fp32 casts, every expert routed."""
+    from clover_export.engines.stream_calib import routed_moe_core
+    from clover_export.model.moe import moe_core
+
+    g = torch.Generator().manual_seed(1)
+    B, T, D, E, I, N = 2, 40, 16, 6, 8, 4
+    x, router = torch.randn(B, T, D, generator=g), torch.randn(E, D, generator=g)
+    gate_up = torch.randn(E, 2 * I, D, generator=g).bfloat16()
+    down = torch.randn(E, D, I, generator=g).bfloat16()
+    want, wd = moe_core(x, router, gate_up.float(), down.float(), 2, 1.0, False, N)
+    args = ([(w[:I], w[I:]) for w in gate_up], [(w,) for w in down]) if blocks else (gate_up, down)
+    got, gd = routed_moe_core(x, router, *args, 2, 1.0, False, N)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 GEMMs on row subsets: rounding only
+    assert torch.equal(gd, wd)
 
 
 def test_streamed_layers_hold_one_layer_at_a_time(model):

@@ -155,6 +155,38 @@ def test_streamed_reads_equal_memory_mapped_reads(tmp_path):
         assert torch.equal(model.model.embed_tokens(ids), table[ids].float())
 
 
+@pytest.mark.parametrize("populate_bytes", [0, direct_io.POPULATE_BYTES])
+def test_read_plan_equals_tensor_reader(tmp_path, populate_bytes, monkeypatch):
+    """`read_plan`: every canonical tensor of a fused and of a per-expert checkpoint (experts stacked from
+    their parts) equals TensorReader's, as stored and cast; with POPULATE_BYTES 0 every tensor is made by
+    `empty`'s pre-mapped path, and none of them shares memory with another."""
+    import json
+
+    from clover_export.checkpoint import load_state_dict
+    from clover_export.config import load_config
+    from clover_export.tiny import generate_random_tiny, write_model_folder
+
+    monkeypatch.setattr(direct_io, "POPULATE_BYTES", populate_bytes)
+    fused = generate_random_tiny(tmp_path / "fused", seed=4, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "full_attention"])
+    cfg = load_config(fused)
+    per = write_model_folder(tmp_path / "per", load_state_dict(fused, cfg),
+                             json.loads((fused / "config.json").read_text()), per_expert=True)
+    for folder in (fused, per):
+        plans, reader, direct = plan_tensors(cfg, locate_tensors(folder)), TensorReader(), DirectReader()
+        assert any(not p.fused for p in plans.values()) == (folder == per)
+        got = {n: direct_io.read_plan(direct, p) for n, p in plans.items()}
+        for name, plan in plans.items():
+            want = reader.read(plan)
+            assert got[name].dtype == want.dtype and torch.equal(got[name], want), (folder.name, name)
+            assert torch.equal(direct_io.read_plan(direct, plan, torch.float32), want.float())
+        ptrs = [t.data_ptr() for t in got.values() if t.numel()]
+        assert len(set(ptrs)) == len(ptrs)
+    t = direct_io.empty((3, 5), torch.float32)
+    t.fill_(2.0)
+    assert t.shape == (3, 5) and t.is_contiguous() and float(t.sum()) == 30.0
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_writer_writes_exactly_the_bytes_appended(tmp_path, direct, monkeypatch):
     """Pieces of odd sizes, zero runs, pieces larger than a chunk: the file is their concatenation, to the byte."""

@@ -31,6 +31,7 @@ OUT/
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import time
@@ -260,16 +261,18 @@ def _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole
                 "(the slice ran the same traced code in fp32)")
         return bf16
 
+    shared: dict = {}  # weights the slice read that the streamed calibration takes over (`validate_slices`)
     if whole:
         fp32, bf16 = fp32_stage(), bf16_stage()
         fp32_graph, bf16_graph = (lambda: fp32), (lambda: bf16)
     else:
         fp32 = fp32_stage()
-        slice_stage(model_dir, out, cfg, opts, base, stages, res, log)
+        slice_stage(model_dir, out, cfg, opts, base, stages, res, log, shared if opts.precision == "fp8" else None)
         fp32_graph, bf16_graph = (lambda: fp32), bf16_stage
     if opts.precision != "fp8":
         return bf16_graph()
-    return fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, log, keys, whole, res, writer)
+    return fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, log, keys, whole, res, writer,
+                      shared)
 
 
 def stage_keys(base: tuple, opts: BuildOptions) -> dict[str, str]:
@@ -318,7 +321,7 @@ def validation_mode(cfg, opts: BuildOptions) -> tuple[bool, str]:
     return False, figures + "; validating the first layer of each kind with the real weights instead"
 
 
-def slice_stage(model_dir, out, cfg, opts, base, stages, res, log) -> None:
+def slice_stage(model_dir, out, cfg, opts, base, stages, res, log, keep: dict | None = None) -> None:
     from clover_export.exporter.slice import validate_slices
 
     name, key = "validate-slices", _key("validate-slices", *base)
@@ -327,7 +330,7 @@ def slice_stage(model_dir, out, cfg, opts, base, stages, res, log) -> None:
         res.reused.append(name)
         return
     results = validate_slices(model_dir, out / ".slices", cfg.block_size, min(opts.chunk, 16), 2,
-                              log=lambda s: log(f"[validate slices] {s}"))
+                              log=lambda s: log(f"[validate slices] {s}"), keep=keep)
     bad = [r for r in results if not r.passed]
     if bad:
         raise CloverError("build", "the exported graph does not match the reference model on a full-width slice:\n"
@@ -374,9 +377,10 @@ def record_fp8_weights(stages, key: str, weights, sec: float) -> None:
 
 
 def fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, log, keys, whole, res,
-               writer=None) -> Path:
+               writer=None, shared: dict | None = None) -> Path:
     """Calibrate, the FP8 weights, both FP8 graphs, their checks. fp32_graph(), bf16_graph(): the graphs'
-    folders, asked for after the calibration (background exports may run until then)."""
+    folders, asked for after the calibration (background exports may run until then). shared: weights the
+    slice read, taken over by the streamed calibration (emptied here either way)."""
     from clover_export.engines.calibration import HELDOUT_PROMPTS, agreement, prompt_batch, read_prompts
     from clover_export.engines.fp8 import calibrate, quantize_graph
     prompts = read_prompts(opts.calib)
@@ -390,7 +394,7 @@ def fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, 
         from clover_export.engines.stream_calib import streamed_model
 
         block_size = cfg.block_size  # the graphs' (build exports at the config's block size)
-        model = streamed_model(model_dir, block_size)  # one layer's weights resident at a time
+        model = streamed_model(model_dir, block_size, preloaded=shared)  # one layer's weights resident at a time
         try:
             amax = calibrate(model_dir, prompt_batch(model_dir, prompts, block_size), block_size, model=model)
         finally:
@@ -399,6 +403,10 @@ def fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, 
             f"(layer by layer on {next(iter(model.lm_head.parameters())).device})")
         stages.record("calibrate", calib_key, {"amax": amax, "prompts": len(prompts)})
         res.ran.append("calibrate")
+        del model
+        gc.collect()  # the streamed model's hooks hold it in reference cycles: its arenas go now, not at exit
+    if shared:
+        shared.clear()  # 3 GiB at full size: not held past the calibration
     fp32, bf16 = fp32_graph(), bf16_graph()
     weights = fp8_weights_stage(out, fp32, stages, log, keys, res, writer)
     for src, name in ((fp32, "onnx-fp8"), (bf16, "onnx-fp8-bf16")):

@@ -10,7 +10,9 @@ a thread, next to the embedding (kept as stored, rows cast on lookup), final
 norm and lm_head. Routed experts stay as stored, views into the arena they
 were read into (`DirectReader.read_views`: no copy of the layer's 1.6 GiB),
 handed to the MoE core by the loader (the module's expert parameters stay
-on the meta device). The model's own `step` runs unchanged (but for the MoE
+on the meta device); the other weights are cast into reused buffers too.
+The embedding and lm_head can be handed over already read (`preloaded`: the
+slice validation's, in a build). The model's own `step` runs unchanged (but for the MoE
 core, below), so calibration hooks on its Linear modules see what the whole
 model would show them (tests/test_build_fullsize.py compares the two).
 
@@ -23,6 +25,7 @@ sum in the same expert order; the dense core adds exact zeros elsewhere.
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from clover_export.checkpoint import TORCH_DTYPES, locate_tensors, plan_tensors
-from clover_export.direct_io import Arena, DirectReader
+from clover_export.direct_io import Arena, DirectReader, empty, read_into
 from clover_export.names import EMBED
 
 EXPERTS = "<routed experts>"  # a layer state's entry for `_LayerLoader.experts`, never a parameter name
@@ -75,24 +78,31 @@ def routed_moe_core(x, router_w, gate_up, down, top_k: int, top_p: float, corese
     weights = weights.to(x.dtype).reshape(-1, E)
     flat, picked = x.reshape(-1, D), chosen.reshape(-1, E)
     out = torch.zeros_like(flat)
+    bufs: dict = {}  # one cast buffer per weight shape, reused by every expert (trained routing runs all 256)
     for e in torch.nonzero(picked.any(0)).flatten().tolist():
         rows = torch.nonzero(picked[:, e]).flatten()
-        gate, up = F.linear(flat[rows], expert_weight(gate_up[e], x.dtype)).chunk(2, dim=-1)
-        out.index_add_(0, rows, F.linear(F.silu(gate) * up, expert_weight(down[e], x.dtype)) * weights[rows, e:e + 1])
+        gate, up = F.linear(flat[rows], expert_weight(gate_up[e], x.dtype, bufs)).chunk(2, dim=-1)
+        out.index_add_(0, rows, F.linear(F.silu(gate) * up, expert_weight(down[e], x.dtype, bufs)) * weights[rows, e:e + 1])
     distinct = chosen[:, Tc:].any(dim=1).sum(-1).to(torch.int32)
     return out.reshape(B, T, D), distinct
 
 
-def expert_weight(w, dtype: torch.dtype) -> torch.Tensor:
+def expert_weight(w, dtype: torch.dtype, bufs: dict | None = None) -> torch.Tensor:
     """One expert's [out, in] weight in `dtype`: w itself cast, or its row blocks cast into one tensor (the
-    cast is the copy: a per-expert checkpoint costs no more than a fused one)."""
-    if isinstance(w, torch.Tensor):
-        return w.to(dtype)
-    if len(w) == 1:
-        return w[0].to(dtype)
-    out = torch.empty((sum(p.shape[0] for p in w), w[0].shape[1]), dtype=dtype, device=w[0].device)
+    cast is the copy: a per-expert checkpoint costs no more than a fused one). bufs: shape -> a tensor the
+    cast is written into, kept there for the next expert (fresh pages for each of 256 experts a layer cost
+    more than the cast); the result is then valid until the next call with the same bufs."""
+    parts = (w,) if isinstance(w, torch.Tensor) else tuple(w)
+    if len(parts) == 1 and parts[0].dtype == dtype:
+        return parts[0]
+    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+    out = None if bufs is None else bufs.get((shape, dtype, parts[0].device))
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=parts[0].device)
+        if bufs is not None:
+            bufs[(shape, dtype, parts[0].device)] = out
     row = 0
-    for p in w:
+    for p in parts:
         out[row:row + p.shape[0]].copy_(p)
         row += p.shape[0]
     return out
@@ -111,32 +121,55 @@ def reference_weight(name: str, t: torch.Tensor, dtype: torch.dtype, device=None
     return t.to(device=device, dtype=dtype)
 
 
+def reference_dtype(name: str, stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint tensor is read into for such a model: as `reference_weight`, but the embedding
+    table also stays as stored (`embedding_as_stored`)."""
+    return stored if name == EMBED or keeps_stored(name, stored, dtype) else dtype
+
+
+def embedding_as_stored(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The model's embedding table stays as stored (bf16 at full size: 1 GiB, not 2 in fp32); the rows it
+    looks up are cast to `dtype`, which is exact."""
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: out.to(dtype))
+
+
 class _LayerLoader:
     """Decoder layers' weights, read from the checkpoint one layer at a time, the next layer read ahead in a
     thread while the current one runs (reading 1.6 GiB of experts is as long as running them on this CPU).
 
     Reads go past the page cache (`direct_io`: a pass over 64 GiB of experts gains nothing from it on a
     24 GB machine). Routed experts are read into one of two reused arenas (the layer running, the layer
-    being read) and used from there as stored (`DirectReader.read_views`), so no layer allocates afresh
-    and nothing copies them; `experts` is the running layer's (gate_up, down), set by its pre-hook."""
+    being read) and used from there as stored (`DirectReader.read_views`), so nothing copies them;
+    `experts` is the running layer's (gate_up, down), set by its pre-hook. The other weights are cast
+    into two more (`dense`): no layer allocates afresh (fresh pages cost the kernel ~1-2 s a GiB on the
+    2-core box: 11 GiB over the 80 layer loads, bench/README.md)."""
 
     def __init__(self, plans: dict, model: torch.nn.Module, dtype: torch.dtype, device: str, direct: bool = True):
         self.plans, self.dtype, self.device = plans, dtype, device
         self.layers = model.model.layers
-        self.arenas = (Arena(), Arena())
+        self.arenas = (Arena(), Arena())  # routed experts, as stored
+        self.dense = (Arena(), Arena())  # the other weights, in the model dtype (fresh pages cost ~1 s a GiB)
         self.reader = DirectReader(direct)
         self.slot = 0
         self.ahead: tuple[int, threading.Thread, dict] | None = None
         self.experts: tuple | None = None
 
-    def state(self, prefix: str, module: torch.nn.Module, slot: int = 0) -> dict[str, torch.Tensor]:
+    def state(self, prefix: str, module: torch.nn.Module, slot: int | None = 0,
+              preloaded: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The module's weights for the reference model: read in file order past the page cache, cast to the
         model dtype; routed experts (read into the arena of `slot`, as stored) under `EXPERTS`, the module's
-        expert parameters as meta tensors."""
-        out, dest, experts = {}, {}, {}
+        expert parameters as meta tensors. The other weights are views into slot's `dense` arena (a decoder
+        layer's: dropped before the slot is read again), or, with slot None, tensors of their own (kept);
+        `preloaded` ones (`streamed_model`) are taken as they are."""
+        out, dest, experts, dense = {}, {}, {}, []
         for name, p in module.named_parameters():
             full = prefix + name
             plan = self.plans.get(full)
+            have = (preloaded or {}).get(full)
+            if have is not None and plan is not None and tuple(have.shape) == tuple(plan.shape) and \
+                    have.dtype == reference_dtype(full, TORCH_DTYPES[plan.parts[0][0].dtype], self.dtype):
+                out[name] = have
+                continue
             if ".mlp.experts." in full:  # a plan (read by `_experts`), or zeros where an opted-in Qwen has none
                 experts[name] = plan if plan is not None else torch.zeros(p.shape, dtype=self.dtype, device=self.device)
                 out[name] = torch.empty(p.shape, device="meta")
@@ -144,16 +177,28 @@ class _LayerLoader:
             if plan is None:  # opted-in Qwen: zero-filled
                 out[name] = reference_weight(full, torch.zeros(p.shape), self.dtype, self.device)
                 continue
-            stored = TORCH_DTYPES[plan.parts[0][0].dtype]
-            dtype = stored if full == EMBED else self.dtype  # the embedding table: kept as stored, `streamed_model`
-            dest[plan.parts[0][0]] = out[name] = torch.empty(plan.shape, dtype=dtype)
-        for loc, first, piece in self.reader.read(dest):  # `piece`: a view into the reader's staging buffer
-            dest[loc].view(-1)[first:first + piece.numel()].copy_(piece)
+            dtype = reference_dtype(full, TORCH_DTYPES[plan.parts[0][0].dtype], self.dtype)
+            dense.append((name, plan.parts[0][0], plan.shape, dtype))
+        for (name, loc, shape, dtype), t in zip(dense, self._dense([(s, d) for _, _, s, d in dense], slot)):
+            dest[loc] = out[name] = t
+        read_into(self.reader, dest)
         state = {n: t if t.device.type == "meta" else t.to(self.device) if prefix + n == EMBED else
                  reference_weight(prefix + n, t, self.dtype, self.device) for n, t in out.items()}
         if experts:
             state[EXPERTS] = self._experts(experts, slot)
         return state
+
+    def _dense(self, specs: list[tuple[tuple[int, ...], torch.dtype]], slot: int | None) -> list[torch.Tensor]:
+        """Empty tensors of these (shape, dtype)s: carved from slot's `dense` arena (the same pages every
+        time), or allocated afresh when slot is None."""
+        if slot is None:
+            return [empty(shape, dtype) for shape, dtype in specs]
+        spans = [-(-math.prod(shape) * dtype.itemsize // 64) * 64 for shape, dtype in specs]  # 64-byte aligned
+        data, out, at = self.dense[slot].reserve(sum(spans)), [], 0
+        for (shape, dtype), span in zip(specs, spans):
+            out.append(data[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+            at += span
+        return out
 
     def _experts(self, experts: dict, slot: int) -> tuple:
         """(gate_up, down) for `routed_moe_core`: views into the slot's arena, per expert a tuple of row blocks
@@ -210,8 +255,11 @@ class _LayerLoader:
 
 
 def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.dtype = torch.float32,
-                   device: str | None = None, desc: str = "calibrate", read_ahead: bool = True):
-    """A `CloverModel` whose decoder layers load their weights on entry and drop them on exit."""
+                   device: str | None = None, desc: str = "calibrate", read_ahead: bool = True,
+                   preloaded: dict[str, torch.Tensor] | None = None):
+    """A `CloverModel` whose decoder layers load their weights on entry and drop them on exit.
+    preloaded: checkpoint name -> a tensor already read as this model keeps it (the embedding as stored, the
+    lm_head in `dtype`; `exporter.slice.validate_slices(keep=)`), used instead of reading it again."""
     from dataclasses import replace
 
     from clover_export.config import load_config
@@ -226,9 +274,8 @@ def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.
 
     for prefix, module in (("model.embed_tokens.", model.model.embed_tokens), ("model.norm.", model.model.norm),
                            ("lm_head.", model.lm_head)):
-        module.load_state_dict(loader.state(prefix, module), strict=True, assign=True)
-    # the table stays as stored (bf16: 1 GiB, not 2): its rows are cast on lookup, exactly
-    model.model.embed_tokens.register_forward_hook(lambda m, args, out: out.to(dtype))
+        module.load_state_dict(loader.state(prefix, module, slot=None, preloaded=preloaded), strict=True, assign=True)
+    embedding_as_stored(model, dtype)
     progress = _Progress(len(model.model.layers), desc)
     model.stream_progress, model.stream_loader = progress, loader
 

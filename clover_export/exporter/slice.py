@@ -15,7 +15,10 @@ folded into resident fp32 copies; the graph as `lean_casts` rewrites it, so
 no cast is of a whole embedding or expert tensor) and, after that session is
 gone, by the reference model built from the same checkpoint tensors; the
 validation scenario and tolerances are `validate.py`'s. The slice's layers
-are resident at a time (~3.3 GiB of bf16 at full size, most of it experts).
+are resident at a time (~3.3 GiB of bf16 at full size, most of it experts),
+read past the page cache (`direct_io.read_plan`); the reference keeps the
+embedding as stored, and hands it and its fp32 lm_head to whoever asks
+(`keep`: the build's streamed calibration, which comes next).
 
 One slice of all kinds, not one per kind: the embedding, lm_head (the
 largest GEMM of the scenario: ~0.33 TFLOP over its 320 block rows, run by both
@@ -39,7 +42,7 @@ import numpy as np
 import torch
 
 from clover_export import names
-from clover_export.checkpoint import TensorPlan, TensorReader, locate_tensors, plan_tensors
+from clover_export.checkpoint import TORCH_DTYPES, TensorPlan, locate_tensors, plan_tensors
 from clover_export.config import CloverConfig, config_from_dict
 
 KINDS = ("linear_attention", "full_attention")
@@ -111,8 +114,10 @@ class SliceResult:
 
 
 def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, max_batch: int,
-                    log=lambda s: None) -> list[SliceResult]:
-    """Export and validate the slice (module docstring) under WORK (removed afterwards)."""
+                    log=lambda s: None, keep: dict[str, torch.Tensor] | None = None) -> list[SliceResult]:
+    """Export and validate the slice (module docstring) under WORK (removed afterwards). keep: filled with
+    the reference's fp32 lm_head and its embedding table as stored, for a streamed reference model that
+    comes next (`stream_calib.streamed_model(preloaded=)`: 3 GiB not read, cast and paged in again)."""
     import time
 
     from clover_export.config import load_config
@@ -128,7 +133,7 @@ def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, ma
         export(model_dir, folder, dtype="fp32", weights="map", block_size=block_size, chunk=chunk,
                max_batch=max_batch, max_len=max(64, 2 * block_size + 16), config=scfg,
                tensor_plans=graph_plans(plans, layers))
-        passed, text = _play_and_compare(folder, scfg, slice_plans(plans, layers), layers)
+        passed, text = _play_and_compare(folder, scfg, slice_plans(plans, layers), layers, keep)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res = SliceResult(layers, [cfg.layer_types[i] for i in layers], passed, text, time.perf_counter() - t)
@@ -137,7 +142,7 @@ def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, ma
 
 
 def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorPlan],
-                      layers: list[int]) -> tuple[bool, str]:
+                      layers: list[int], keep: dict | None = None) -> tuple[bool, str]:
     """validate.py's scenario (draw 0) on ONNX Runtime, then on the reference slice; never both resident."""
     import onnxruntime as ort
 
@@ -169,6 +174,8 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
     ref = _ReferenceSlice(scfg, plans, art, preloaded={t.param: t.value for t in fed.values()})
     del fed
     expected = V.play(ref, feeds, pools)
+    if keep is not None:  # not per layer: the same tensors in the whole model
+        keep.update((n, p.detach()) for n, p in ref.model.named_parameters() if n in (names.EMBED, names.LM_HEAD))
     del ref
     _release_memory()
     rep = V.ValidationReport(steps=[p.name for p in plans_], runners=["onnxruntime-cpu"])
@@ -199,15 +206,16 @@ def _fed_weights(plans: dict[str, TensorPlan]) -> dict[str, _Fed]:
     otherwise) and per-expert experts fused once in bf16 (a 2.4 GiB Concat per step, and their mapped pages)."""
     from onnx import TensorProto
 
+    from clover_export.direct_io import DirectReader, read_plan
     from clover_export.exporter.weights import stored_name
 
-    reader, out = TensorReader(), {}
+    reader, out = DirectReader(), {}  # past the page cache: each GiB of it costs as much again in page faults
     head = plans.get(names.LM_HEAD)
     if head is not None and head.parts[0][0].dtype != "F32":  # the fp32 graph casts it
-        out[names.LM_HEAD] = _Fed(names.LM_HEAD, reader.read(head).float(), TensorProto.FLOAT)
+        out[names.LM_HEAD] = _Fed(names.LM_HEAD, read_plan(reader, head, torch.float32), TensorProto.FLOAT)
     for name, plan in plans.items():
         if ".mlp.experts." in name and not plan.fused and {loc.dtype for g in plan.parts for loc in g} == {"BF16"}:
-            out[stored_name(name, "BF16")] = _Fed(name, reader.read(plan), TensorProto.BFLOAT16)
+            out[stored_name(name, "BF16")] = _Fed(name, read_plan(reader, plan), TensorProto.BFLOAT16)
     return out
 
 
@@ -231,16 +239,26 @@ class _ReferenceSlice:
     def __init__(self, scfg: CloverConfig, plans: dict[str, TensorPlan], art, preloaded=None):
         from dataclasses import replace
 
-        from clover_export.engines.stream_calib import reference_weight, routed_moe_core
+        from clover_export.direct_io import DirectReader, empty, plan_targets, read_into
+        from clover_export.engines.stream_calib import embedding_as_stored, reference_dtype, reference_weight
+        from clover_export.engines.stream_calib import routed_moe_core
         from clover_export.models import build_model
 
         self.model = build_model(scfg, torch.float32, device="meta", block_size=art.block_size)
-        reader = TensorReader()
         pre = preloaded or {}  # `_fed_weights`' tensors, shared with the ONNX Runtime run
-        state = {n: pre[n] if n in pre else
-                 reference_weight(n, reader.read(plans[n]) if n in plans else torch.zeros(p.shape), torch.float32)
-                 for n, p in self.model.named_parameters()}
+        state, targets = {}, {}
+        for n, p in self.model.named_parameters():
+            if n in pre:
+                state[n] = pre[n]
+            elif n not in plans:  # opted-in Qwen: zero-filled
+                state[n] = reference_weight(n, torch.zeros(p.shape), torch.float32)
+            else:  # read in file order past the page cache, cast on the way (`read_into`)
+                dtype = reference_dtype(n, TORCH_DTYPES[plans[n].parts[0][0].dtype], torch.float32)
+                state[n] = empty(plans[n].shape, dtype)
+                targets.update(plan_targets(plans[n], state[n]))
+        read_into(DirectReader(), targets)
         self.model.load_state_dict(state, strict=True, assign=True)
+        embedding_as_stored(self.model, torch.float32)
         # the dense reference core runs all 256 experts on every row; the routed one equals it (tested in fp64)
         self.model.cores = replace(self.model.cores, moe=routed_moe_core)
         self.model.eval().requires_grad_(False)

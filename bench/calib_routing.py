@@ -1,0 +1,77 @@
+"""FP8 calibration alone on the full-size sparse checkpoint: the routing it gives vs routing as trained weights do.
+
+The sparse checkpoint (`export_fullsize.py`: zero weights) sends every row to
+the same 8 experts (zero router logits tie; top-k takes the first 8), so a
+build on it runs 8 experts a layer. Trained weights spread the rows over all
+256: `routed_moe_core` then casts and runs every expert of every layer, twice
+(prefill and denoise). This runs the build's calibration (`streamed_model` +
+`calibrate`, 10 built-in prompts, layer by layer on the CPU) both ways in one
+run, each in its own subprocess: as the checkpoint routes, and with the
+router's choice replaced by 8 random distinct experts per row (`model.moe.route`
+patched; everything else unchanged). Printed: wall, CPU seconds, peak RSS of
+each, and the ratio.
+
+    python bench/calib_routing.py [--work DIR]   (DIR holds or gets the sparse checkpoint)
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from export_fullsize import write_sparse_checkpoint  # noqa: E402
+
+CHILD = """
+import resource, sys, time
+from pathlib import Path
+import torch
+if sys.argv[2] == "spread":
+    import clover_export.model.moe as moe
+    real, g = moe.route, torch.Generator().manual_seed(0)
+    moe.route = lambda probs, allowed, k: real(torch.softmax(20 * torch.rand(probs.shape, generator=g), -1), allowed, k)
+from clover_export.engines.calibration import prompt_batch, read_prompts
+from clover_export.engines.fp8 import calibrate
+from clover_export.engines.stream_calib import streamed_model
+m = Path(sys.argv[1])
+t = time.perf_counter()
+model = streamed_model(m, 32)
+amax = calibrate(m, prompt_batch(m, read_prompts(None), 32), 32, model=model)
+model.stream_progress.close()
+u = resource.getrusage(resource.RUSAGE_SELF)
+print("RESULT", time.perf_counter() - t, u.ru_utime + u.ru_stime, u.ru_maxrss * 1024, len(amax))
+"""
+
+
+def run(ckpt: Path, routing: str) -> tuple[float, float, int, int]:
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), routing], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"calibration ({routing}) failed:\n{proc.stderr[-3000:]}")
+    w = next(line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    return float(w[1]), float(w[2]), int(w[3]), int(w[4])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=None, help="folder for the sparse checkpoint (default: a temp folder)")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="clover-calib-routing-"))
+    ckpt = work / "checkpoint"
+    write_sparse_checkpoint(ckpt)
+    res = {}
+    for routing in ("checkpoint", "spread"):
+        t = time.perf_counter()
+        res[routing] = run(ckpt, routing)
+        wall, cpu, rss, n = res[routing]
+        print(f"{routing:10s} routing: calibration {wall:6.1f} s (CPU {cpu:6.1f} s, peak RSS {rss / 2**30:.2f} GiB, "
+              f"{n} ranges; subprocess {time.perf_counter() - t:.1f} s)")
+    print(f"spread / checkpoint: wall {res['spread'][0] / res['checkpoint'][0]:.2f} x, "
+          f"CPU {res['spread'][1] / res['checkpoint'][1]:.2f} x")
+
+
+if __name__ == "__main__":
+    main()
