@@ -5,8 +5,10 @@ headers, experts stored per expert, zero (sparse) data. Each build runs as a
 subprocess. Printed per build: wall time, CPU seconds (the build and its
 child processes), peak RSS of the whole process tree (the build runs its bf16
 export in a child process beside its own stages: the RSS of every process
-in the tree is summed, sampled every 0.1 s; shared library pages count
-once per process, so this overstates a little), bytes written (each inode
+in the tree is summed, sampled every 0.1 s; pages shared between processes
+-- libraries, and a parent's pages in a child between its fork and its exec,
+microseconds -- count once per process, so this can only overstate; the
+line shows what each process held at the peak), bytes written (each inode
 counted once, the checkpoint's hard-linked shards excluded) and the build
 log's stage lines, each with the time it was printed;
 for fp8 also the FP8 weight bytes, and the disk write rate achieved vs a
@@ -118,6 +120,8 @@ def run_tree(cmd: list[str], what: str) -> dict:
     wall = time.perf_counter() - t
     peak = rss.stop()
     drain.join()
+    proc.stdout.close()
+    proc.stderr.close()
     cpu = usage.ru_utime + usage.ru_stime  # the build's and its (waited-for) child processes'
     if proc.returncode:
         print("\n".join(line for _, line in lines[-30:]), "\n", "".join(err)[-3000:])

@@ -6,10 +6,12 @@ build on it runs 8 experts a layer. Trained weights spread the rows over all
 256: `routed_moe_core` then casts and runs every expert of every layer, twice
 (prefill and denoise). This runs the build's calibration (`streamed_model` +
 `calibrate`, 10 built-in prompts, layer by layer on the CPU) both ways in one
-run, each in its own subprocess: as the checkpoint routes, and with the
-router's choice replaced by 8 random distinct experts per row (`model.moe.route`
-patched; everything else unchanged). Printed: wall, CPU seconds, peak RSS of
-each, and the ratio.
+run, each in its own subprocess: as the checkpoint routes, and with random
+hidden states and router weights handed to the MoE core (`routed_moe_core`
+wrapped), so that the router and the block coreset both see spread scores
+and the rows reach all experts (the values computed do not matter here; the
+experts are zero either way). Printed: wall, CPU seconds, peak RSS of each,
+and the ratio.
 
     python bench/calib_routing.py [--work DIR]   (DIR holds or gets the sparse checkpoint)
 """
@@ -30,10 +32,11 @@ CHILD = """
 import resource, sys, time
 from pathlib import Path
 import torch
-if sys.argv[2] == "spread":
-    import clover_export.model.moe as moe
-    real, g = moe.route, torch.Generator().manual_seed(0)
-    moe.route = lambda probs, allowed, k: real(torch.softmax(20 * torch.rand(probs.shape, generator=g), -1), allowed, k)
+if sys.argv[2] == "spread":  # random hidden states and router at the MoE: which experts run is what costs
+    import clover_export.engines.stream_calib as sc
+    real, g = sc.routed_moe_core, torch.Generator().manual_seed(0)
+    sc.routed_moe_core = lambda x, w, *a: real(torch.randn(x.shape, generator=g, dtype=x.dtype),
+                                               torch.randn(w.shape, generator=g, dtype=w.dtype), *a)
 from clover_export.engines.calibration import prompt_batch, read_prompts
 from clover_export.engines.fp8 import calibrate
 from clover_export.engines.stream_calib import streamed_model

@@ -171,7 +171,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     2-core box). The tensor keeps its mapping alive; it is unmapped with the last view of it."""
     nbytes = math.prod(shape) * dtype.itemsize
     populate = getattr(mmap, "MAP_POPULATE", 0)
-    if nbytes < POPULATE_BYTES or not populate:
+    if nbytes == 0 or nbytes < POPULATE_BYTES or not populate:
         return torch.empty(shape, dtype=dtype)
     mm = mmap.mmap(-1, -(-nbytes // BLOCK) * BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

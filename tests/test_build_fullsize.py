@@ -47,13 +47,19 @@ def resumed(model, tmp_path_factory):
         return real(w)
 
     from clover_export.engines import stream_calib
+    from clover_export.names import EMBED, LM_HEAD
 
     streamed, handed = stream_calib.streamed_model, [[], []]  # per build: what each streamed model was handed
 
     def recording(run):
         def streamed_model(*a, preloaded=None, **k):
-            handed[run].append({n: t.data_ptr() for n, t in (preloaded or {}).items()})
-            return streamed(*a, preloaded=preloaded, **k)
+            handed_now = dict(preloaded or {})
+            m = streamed(*a, preloaded=preloaded, **k)
+            params = {EMBED: m.model.embed_tokens.weight, LM_HEAD: m.lm_head.weight}
+            # taken: the model's own parameter is the tensor handed (on a GPU it is copied there)
+            handed[run].append({n: params[n].device.type != "cpu" or params[n].data_ptr() == t.data_ptr()
+                                for n, t in handed_now.items()})
+            return m
         return streamed_model
 
     mp = pytest.MonkeyPatch()
@@ -222,14 +228,15 @@ def test_slice_hands_its_embedding_and_lm_head_to_the_streamed_calibration(model
     assert took.model.embed_tokens.weight.data_ptr() == keep[EMBED].data_ptr()
     assert took.lm_head.weight.data_ptr() == keep[LM_HEAD].data_ptr()
     batch = prompt_batch(model, BUILTIN_PROMPTS[:2], 8)
-    assert calibrate(model, batch, 8, model=took) == calibrate(model, batch, 8, model=streamed_model(model, 8))
+    assert calibrate(model, batch, 8, model=took) == calibrate(model, batch, 8,
+                                                             model=streamed_model(model, 8, device="cpu"))
     wrong = streamed_model(model, 8, device="cpu", preloaded={LM_HEAD: stored[LM_HEAD]})  # bf16: not as kept
     assert wrong.lm_head.weight.dtype == torch.float32 and wrong.lm_head.weight.data_ptr() != stored[LM_HEAD].data_ptr()
     # and the build wires them through: the run that validated the slice handed both to its calibration
     out, logs, state = resumed
     ran = [i for i in (0, 1) if any("[calibrate] " in s and " prompts," in s for s in logs[i])]
     assert ran and all(any("[validate slices] slice of" in s for s in logs[i]) for i in ran)
-    assert all(set(state["handed"][i][0]) == {EMBED, LM_HEAD} for i in ran), state["handed"]
+    assert all(state["handed"][i][0] == {EMBED: True, LM_HEAD: True} for i in ran), state["handed"]
 
 
 def test_slice_validation_catches_a_wrong_layer(model, tmp_path, monkeypatch):

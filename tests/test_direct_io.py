@@ -159,7 +159,8 @@ def test_streamed_reads_equal_memory_mapped_reads(tmp_path):
 def test_read_plan_equals_tensor_reader(tmp_path, populate_bytes, monkeypatch):
     """`read_plan`: every canonical tensor of a fused and of a per-expert checkpoint (experts stacked from
     their parts) equals TensorReader's, as stored and cast; with POPULATE_BYTES 0 every tensor is made by
-    `empty`'s pre-mapped path, and none of them shares memory with another."""
+    `empty`'s pre-mapped path (where the platform has MAP_POPULATE: Linux), and none of them shares memory
+    with another; an empty tensor takes no mapping."""
     import json
 
     from clover_export.checkpoint import load_state_dict
@@ -182,6 +183,7 @@ def test_read_plan_equals_tensor_reader(tmp_path, populate_bytes, monkeypatch):
             assert torch.equal(direct_io.read_plan(direct, plan, torch.float32), want.float())
         ptrs = [t.data_ptr() for t in got.values() if t.numel()]
         assert len(set(ptrs)) == len(ptrs)
+    assert direct_io.empty((0, 5), torch.bfloat16).shape == (0, 5)
     t = direct_io.empty((3, 5), torch.float32)
     t.fill_(2.0)
     assert t.shape == (3, 5) and t.is_contiguous() and float(t.sum()) == 30.0

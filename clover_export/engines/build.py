@@ -395,6 +395,8 @@ def fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, 
 
         block_size = cfg.block_size  # the graphs' (build exports at the config's block size)
         model = streamed_model(model_dir, block_size, preloaded=shared)  # one layer's weights resident at a time
+        if shared:
+            shared.clear()  # held by the model now (on a GPU: copied there, the host copies go)
         try:
             amax = calibrate(model_dir, prompt_batch(model_dir, prompts, block_size), block_size, model=model)
         finally:

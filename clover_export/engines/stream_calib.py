@@ -158,9 +158,9 @@ class _LayerLoader:
               preloaded: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The module's weights for the reference model: read in file order past the page cache, cast to the
         model dtype; routed experts (read into the arena of `slot`, as stored) under `EXPERTS`, the module's
-        expert parameters as meta tensors. The other weights are views into slot's `dense` arena (a decoder
-        layer's: dropped before the slot is read again), or, with slot None, tensors of their own (kept);
-        `preloaded` ones (`streamed_model`) are taken as they are."""
+        expert parameters as meta tensors. The other weights are read into slot's `dense` arena (a decoder
+        layer's: dropped before the slot is read again; on a GPU copied there from it), or, with slot None,
+        into tensors of their own (kept); `preloaded` ones (`streamed_model`) are taken as they are."""
         out, dest, experts, dense = {}, {}, {}, []
         for name, p in module.named_parameters():
             full = prefix + name
