@@ -219,7 +219,7 @@ def test_slice_hands_its_embedding_and_lm_head_to_the_streamed_calibration(model
     from clover_export.names import EMBED, LM_HEAD
 
     keep: dict = {}
-    assert S.validate_slices(model, tmp_path / "w", 8, 16, 2, keep=keep)[0].passed
+    assert S.validate_slices(model, tmp_path / "w", 8, 16, 2, keep=keep).passed
     stored = load_state_dict(model, load_config(model))
     assert set(keep) == {EMBED, LM_HEAD}
     assert keep[EMBED].dtype == torch.bfloat16 and torch.equal(keep[EMBED], stored[EMBED])
@@ -245,13 +245,13 @@ def test_slice_validation_catches_a_wrong_layer(model, tmp_path, monkeypatch):
     from clover_export.exporter import slice as S
 
     good = S.validate_slices(model, tmp_path / "w", 8, 16, 2)
-    assert [(r.layers, r.passed) for r in good] == [([0, 1], True)], good[0].report
+    assert (good.layers, good.passed) == ([0, 1], True), good.report
     monkeypatch.setattr(S, "graph_plans", lambda plans, layers: S.slice_plans(plans, [0, 3]))
     bad = S.validate_slices(model, tmp_path / "w", 8, 16, 2)
-    assert [r.passed for r in bad] == [False] and "FAIL" in bad[0].report
-    failing = {line.split()[1] for line in bad[0].report.splitlines() if line.startswith("  FAIL ")}
+    assert bad.passed is False and "FAIL" in bad.report
+    failing = {line.split()[1] for line in bad.report.splitlines() if line.startswith("  FAIL ")}
     assert "logits" in failing and "present.1.key" in failing and not any(".0." in n for n in failing), failing
-    assert "slice layer -> model layer: 0 -> 0 (linear_attention), 1 -> 1 (full_attention)" in bad[0].report
+    assert "slice layer -> model layer: 0 -> 0 (linear_attention), 1 -> 1 (full_attention)" in bad.report
     assert not (tmp_path / "w").exists()  # the slice graphs are transient
 
 

@@ -40,6 +40,23 @@ def collect(reader: DirectReader, locs) -> dict[str, torch.Tensor]:
     return {loc.stored_name: out[loc.stored_name].reshape(loc.shape) for loc in locs}
 
 
+def fused_and_per_expert(tmp_path, seed: int):
+    """(config, folder, folder): a random 2-layer tiny (GDN, attention) with fused experts, and the same
+    weights saved with one tensor per expert."""
+    import json
+
+    from clover_export.checkpoint import load_state_dict
+    from clover_export.config import load_config
+    from clover_export.tiny import generate_random_tiny, write_model_folder
+
+    fused = generate_random_tiny(tmp_path / "fused", seed=seed, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "full_attention"])
+    cfg = load_config(fused)
+    per = write_model_folder(tmp_path / "per", load_state_dict(fused, cfg),
+                             json.loads((fused / "config.json").read_text()), per_expert=True)
+    return cfg, fused, per
+
+
 def o_direct_works(path) -> bool:
     """Probe: an aligned O_DIRECT read of the file's first block."""
     import mmap
@@ -121,18 +138,9 @@ def test_truncated_shard_names_the_file(shards, tmp_path):
 
 def test_streamed_reads_equal_memory_mapped_reads(tmp_path):
     """A per-expert checkpoint: the streamed model's layer state equals TensorReader's (safetensors) tensors."""
-    import json
-
-    from clover_export.config import load_config
     from clover_export.engines.stream_calib import EXPERTS, expert_weight, streamed_model
-    from clover_export.tiny import generate_random_tiny, write_model_folder
-    from clover_export.checkpoint import load_state_dict
 
-    fused = generate_random_tiny(tmp_path / "fused", seed=3, num_hidden_layers=2,
-                                 layer_types=["linear_attention", "full_attention"])
-    cfg = load_config(fused)
-    per = write_model_folder(tmp_path / "per", load_state_dict(fused, cfg),
-                             json.loads((fused / "config.json").read_text()), per_expert=True)
+    cfg, fused, per = fused_and_per_expert(tmp_path, seed=3)
     for folder in (fused, per):
         plans = plan_tensors(cfg, locate_tensors(folder))
         model = streamed_model(folder, 8, device="cpu")
@@ -161,18 +169,8 @@ def test_read_plan_equals_tensor_reader(tmp_path, populate_bytes, monkeypatch):
     their parts) equals TensorReader's, as stored and cast; with POPULATE_BYTES 0 every tensor is made by
     `empty`'s pre-mapped path (where the platform has MAP_POPULATE: Linux), and none of them shares memory
     with another; an empty tensor takes no mapping."""
-    import json
-
-    from clover_export.checkpoint import load_state_dict
-    from clover_export.config import load_config
-    from clover_export.tiny import generate_random_tiny, write_model_folder
-
     monkeypatch.setattr(direct_io, "POPULATE_BYTES", populate_bytes)
-    fused = generate_random_tiny(tmp_path / "fused", seed=4, num_hidden_layers=2,
-                                 layer_types=["linear_attention", "full_attention"])
-    cfg = load_config(fused)
-    per = write_model_folder(tmp_path / "per", load_state_dict(fused, cfg),
-                             json.loads((fused / "config.json").read_text()), per_expert=True)
+    cfg, fused, per = fused_and_per_expert(tmp_path, seed=4)
     for folder in (fused, per):
         plans, reader, direct = plan_tensors(cfg, locate_tensors(folder)), TensorReader(), DirectReader()
         assert any(not p.fused for p in plans.values()) == (folder == per)

@@ -329,13 +329,12 @@ def slice_stage(model_dir, out, cfg, opts, base, stages, res, log, keep: dict | 
         log(f"[validate slices] reused: {'; '.join(stages.result(name)['lines'])}")
         res.reused.append(name)
         return
-    results = validate_slices(model_dir, out / ".slices", cfg.block_size, min(opts.chunk, 16), 2,
-                              log=lambda s: log(f"[validate slices] {s}"), keep=keep)
-    bad = [r for r in results if not r.passed]
-    if bad:
+    result = validate_slices(model_dir, out / ".slices", cfg.block_size, min(opts.chunk, 16), 2,
+                             log=lambda s: log(f"[validate slices] {s}"), keep=keep)
+    if not result.passed:
         raise CloverError("build", "the exported graph does not match the reference model on a full-width slice:\n"
-                          + "\n".join(f"{r.line()}\n{r.report}" for r in bad))
-    stages.record(name, key, {"lines": [r.line() for r in results], "passed": True})
+                          f"{result.line()}\n{result.report}")
+    stages.record(name, key, {"lines": [result.line()], "passed": True})
     res.ran.append(name)
 
 

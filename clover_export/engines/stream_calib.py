@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from clover_export.checkpoint import TORCH_DTYPES, locate_tensors, plan_tensors
-from clover_export.direct_io import Arena, DirectReader, empty, read_into
+from clover_export.direct_io import Arena, DirectReader, empty, plan_targets, read_into
 from clover_export.names import EMBED
 
 EXPERTS = "<routed experts>"  # a layer state's entry for `_LayerLoader.experts`, never a parameter name
@@ -178,9 +178,10 @@ class _LayerLoader:
                 out[name] = reference_weight(full, torch.zeros(p.shape), self.dtype, self.device)
                 continue
             dtype = reference_dtype(full, TORCH_DTYPES[plan.parts[0][0].dtype], self.dtype)
-            dense.append((name, plan.parts[0][0], plan.shape, dtype))
-        for (name, loc, shape, dtype), t in zip(dense, self._dense([(s, d) for _, _, s, d in dense], slot)):
-            dest[loc] = out[name] = t
+            dense.append((name, plan, dtype))
+        for (name, plan, _), t in zip(dense, self._dense([(plan.shape, d) for _, plan, d in dense], slot)):
+            out[name] = t
+            dest.update(plan_targets(plan, t))
         read_into(self.reader, dest)
         state = {n: t if t.device.type == "meta" else t.to(self.device) if prefix + n == EMBED else
                  reference_weight(prefix + n, t, self.dtype, self.device) for n, t in out.items()}

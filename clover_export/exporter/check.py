@@ -329,8 +329,8 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
         if mode == "map" and not wmap.get(t.name, {}).get("converted", True):
             path = Path(wmap[t.name]["file"])  # mapped: the shard in place, read by ort_session
             offset, length = wmap[t.name]["offset"], wmap[t.name]["length"]
-        elif path_problem(loc):
-            rep.add("fail", where, path_problem(loc))
+        elif why := path_problem(loc):
+            rep.add("fail", where, why)
             continue
         if path not in sizes:
             if not path.exists():

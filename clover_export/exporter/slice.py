@@ -114,7 +114,7 @@ class SliceResult:
 
 
 def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, max_batch: int,
-                    log=lambda s: None, keep: dict[str, torch.Tensor] | None = None) -> list[SliceResult]:
+                    log=lambda s: None, keep: dict[str, torch.Tensor] | None = None) -> SliceResult:
     """Export and validate the slice (module docstring) under WORK (removed afterwards). keep: filled with
     the reference's fp32 lm_head and its embedding table as stored, for a streamed reference model that
     comes next (`stream_calib.streamed_model(preloaded=)`: 3 GiB not read, cast and paged in again)."""
@@ -138,7 +138,7 @@ def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, ma
         shutil.rmtree(work, ignore_errors=True)
     res = SliceResult(layers, [cfg.layer_types[i] for i in layers], passed, text, time.perf_counter() - t)
     log(res.line())
-    return [res]
+    return res
 
 
 def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorPlan],
