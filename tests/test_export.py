@@ -21,11 +21,19 @@ from click.testing import CliRunner
 from clover_export import names
 from clover_export.checkpoint import locate_tensors
 from clover_export.errors import CloverError
+from clover_export.exporter import artifact as A
 from clover_export.exporter import load_artifact, ort_session
 from clover_export.exporter import validate as V
 from clover_export.exporter import weights as W
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.export import export
+from test_export_loaders import no_reflinks
+
+
+def as_large_checkpoint_without_reflinks(m: pytest.MonkeyPatch) -> None:
+    """`--weights link` as it treats a full-size checkpoint on ext4: hard links, not a small model's copy."""
+    no_reflinks(m)
+    m.setattr(A, "COPY_BELOW", 0)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +52,11 @@ def fp32_export(tiny_fp32_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bf16_export(bf16_dir, tmp_path_factory):
+    """Hard-linked, as a full-size checkpoint is where no reflink can be made (zero copy is asserted)."""
     out = tmp_path_factory.mktemp("exports") / "bf16"
-    return out, export(bf16_dir, out, dtype="bf16", weights="link")
+    with pytest.MonkeyPatch.context() as m:
+        as_large_checkpoint_without_reflinks(m)
+        return out, export(bf16_dir, out, dtype="bf16", weights="link")
 
 
 def leftovers(parent: Path, name: str) -> list[Path]:
@@ -157,11 +168,12 @@ def test_functions_are_what_onnxruntime_runs(fp32_export, tmp_path):
     for n in custom:
         attrs = {a.name: a for a in n.attribute}
         assert attrs["plugin_namespace"].s == b"clover" and attrs["plugin_version"].s == b"1"
-    # full check, external data included: a self-contained copy (onnx.checker rejects hard links)
+    # full check, external data included: a small checkpoint is reflinked or copied, never hard-linked
+    assert json.loads((out / "manifest.json").read_text())["weights"]["placement"] in ("reflink", "copy")
+    onnx.checker.check_model(str(out / "model.onnx"), full_check=True)
+    # without the functions ONNX Runtime has no implementation for the clover nodes
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    onnx.checker.check_model(str(copy / "model.onnx"), full_check=True)
-    # without the functions ONNX Runtime has no implementation for the clover nodes
     del proto.functions[:]
     onnx.save_model(proto, str(copy / "nofunc.onnx"))
     import onnxruntime as ort
@@ -287,7 +299,8 @@ def hf_cache_layout(src: Path, root: Path) -> Path:
     return snap
 
 
-def test_symlinked_shards_are_resolved_and_linked(bf16_dir, tmp_path):
+def test_symlinked_shards_are_resolved_and_linked(bf16_dir, tmp_path, monkeypatch):
+    as_large_checkpoint_without_reflinks(monkeypatch)
     snap = hf_cache_layout(bf16_dir, tmp_path / "hub")
     res = export(snap, tmp_path / "out", dtype="bf16", weights="link")
     assert any("symlink" in m and "Hugging Face" in m for m in res.weights.messages)
@@ -302,9 +315,10 @@ def test_other_filesystem_falls_back_to_map(tiny_fp32_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(W, "reflink", exdev)
     monkeypatch.setattr(W, "hardlink", exdev)
+    monkeypatch.setattr(A, "COPY_BELOW", 0)  # a large checkpoint: a small one is copied instead
     res = export(tiny_fp32_dir, tmp_path / "out", dtype="fp32", weights="link")
     assert res.weights.requested == "link" and res.weights.mode == "map"
-    assert any("another filesystem" in m and "--weights copy" in m for m in res.weights.messages)
+    assert any("another filesystem" in m and "--weights copy" in m for m in res.weights.warnings)
     art = load_artifact(tmp_path / "out")
     assert art.weights_mode == "map" and art.manifest["weights"]["messages"] == res.weights.messages
     assert V.validate(tmp_path / "out", steps=1, reference_evaluator=False).passed

@@ -5,7 +5,8 @@ Folder layout (written by `export.py`, STEP_GRAPH.md 1-3):
   model.trt.onnx    what TensorRT parses (bf16, link/copy weights): no functions, MoE as AOT sub-ops (trt_graph.py)
   manifest.json     everything below, plus config, profiles, op contracts, tool versions
   weights.json      the weight map: initializer name -> file, offset, length, dtype, shape
-  weights/          shard hard links / reflinks / copies, and converted tensors (fp32 graphs)
+  weights/          the checkpoint's shards as reflinks, copies or hard links (`weights.py`; the manifest's
+                    weights.placement says which, weights.shards per shard), and zero-filled tensors
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ WEIGHTS_DIR = "weights"
 FORMAT = "clover-export/step-graph"
 FORMAT_VERSION = 1
 WEIGHT_MODES = ("link", "map", "copy")
+# `--weights link` where no reflink can be made copies checkpoints up to this size instead of hard-linking
+# them: a copy loads in every tool (onnx >= 1.21 refuses hard links) and costs well under a second; above
+# it the zero-copy hard link wins and export says which tools refuse it (docs/exports.md)
+COPY_BELOW = 256 * 2**20
 # copied from the model folder into every export: tokenizer, chat template, generation defaults
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 

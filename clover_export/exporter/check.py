@@ -12,6 +12,9 @@ Static checks only; it reports, it does not guess:
   floats, strings, 1-D arrays);
 - external data: relative paths without `..`, no symlinks, inside the
   folder, within the file (map mode: inside the mapped shards instead);
+  which standard tools will read the folder and which refuse it (hard links:
+  onnx >= 1.21; map mode: all but clover's loader) and what to do
+  (`weights.READERS`, docs/exports.md), always printed by the CLI;
 - every dynamic dimension of the graph's inputs and outputs is set by every
   optimisation profile of the manifest;
 - `onnx.checker` (full check) on the graph without its external data;
@@ -74,6 +77,7 @@ class CheckReport:
     findings: list[Finding] = field(default_factory=list)
     nodes_checked: int = 0
     tensorrt: list[str] = field(default_factory=list)  # what TensorRT would get (always shown by the CLI)
+    readers: list[str] = field(default_factory=list)  # which tools read / refuse the folder (always shown)
 
     @property
     def failures(self) -> list[Finding]:
@@ -300,7 +304,7 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
     if mode == "map":
         wmap = json.loads((folder / A.WEIGHT_MAP).read_text())["tensors"]
     sizes: dict[Path, int] = {}
-    hard = set()
+    hard: dict[str, int] = {}  # location -> its link count
     root = folder.resolve()
     problems: dict[str, str | None] = {}  # per location (a few shards for ~1000 initializers)
 
@@ -340,15 +344,34 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
             st = path.stat()
             sizes[path] = st.st_size
             if st.st_nlink > 1 and mode != "map":
-                hard.add(loc)
+                hard[loc] = st.st_nlink
         if sizes[path] >= 0 and offset + max(length, 0) > sizes[path]:
             rep.add("fail", where, f"bytes {offset}..{offset + length} lie beyond the end of {path} ({sizes[path]} bytes)")
     for loc in sorted(hard):
-        rep.add("info", loc, "hard link: accepted by ONNX Runtime and TensorRT; onnx.checker >= 1.21 rejects "
-                "hard-linked external data when it loads a model by path (use --weights copy for such tools)")
+        rep.add("warn", loc, f"hard link ({hard[loc]} links): onnx >= 1.21 refuses it (\"potential hardlink "
+                "attack\"); ONNX Runtime and TensorRT read it")
     if mode == "map":
         rep.add("info", "weights", "map mode: external data is supplied from weights.json "
                 "(ONNX Runtime only: clover_export.exporter.artifact.ort_session)")
+    _report_readers(rep, "mapped" if mode == "map" else "hardlink" if hard else "copy", hard)
+
+
+def _report_readers(rep, placement: str, hard: dict[str, int]) -> None:
+    """Which tools read the folder as it is now on disk (a copied or reflinked shard is a plain file, so
+    both report as "copy"; hard links are seen by their link count, whatever the manifest says)."""
+    from clover_export.exporter.weights import REMEDY, read_by, refused_by
+
+    if placement == "copy":
+        rep.readers.append("external data: plain files inside the folder, read by every tool ("
+                           + ", ".join(read_by("copy", short=True)) + ")")
+        return
+    what = {"hardlink": "hard links (" + ", ".join(f"{loc}: {n} links" for loc, n in sorted(hard.items())) + ")",
+            "mapped": "not in the folder (map mode: the checkpoint is referenced in place through weights.json)"}
+    rep.readers.append(f"external data: {what[placement]}")
+    rep.readers.append("  refused by: " + "; ".join(refused_by(placement)))
+    if read_by(placement):
+        rep.readers.append("  read by: " + "; ".join(read_by(placement)))
+    rep.readers.append(f"  what to do: {REMEDY[placement]}")
 
 
 def _has_symlink(folder: Path, rel: Path) -> bool:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from clover_export.exporter.artifact import WEIGHT_MODES
+from clover_export.exporter.artifact import COPY_BELOW, WEIGHT_MODES
 
 
 def _mib(n: int) -> str:
@@ -17,11 +17,15 @@ def _mib(n: int) -> str:
 @click.argument("model", required=False)
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output folder: new or empty (written atomically), or an earlier export with --force.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="Graph dtype. bf16: TensorRT / GPU; fp32: ONNX Runtime on CPU (weights converted into new files).")
+              help="Graph dtype. bf16: TensorRT / GPU; fp32: ONNX Runtime on CPU (the stored weights are cast "
+                   "inside the graph: no weight file is converted).")
 @click.option("--weights", type=click.Choice(WEIGHT_MODES), default="link", show_default=True,
-              help="link: reflink / hard-link the shards (zero copy, same filesystem); map: reference the checkpoint "
-                   "in place through weights.json (zero copy, ONNX Runtime through clover_export's loader only: "
-                   "TensorRT cannot read it, so no model.trt.onnx); copy: self-contained folder.")
+              help="link: reflink the shards where the filesystem can (zero copy); else copy them when the "
+                   f"checkpoint is small (up to {COPY_BELOW // 2**20} MiB), else hard-link them (zero copy; ONNX "
+                   "Runtime and TensorRT read hard links, onnx >= 1.21's onnx.load / onnx.checker and polygraphy "
+                   "inspect refuse them; export says so). map: reference the checkpoint in place through "
+                   "weights.json (zero copy, ONNX Runtime through clover_export's loader only: no model.trt.onnx). "
+                   "copy: a self-contained folder every tool loads. See docs/exports.md.")
 @click.option("--block-size", type=int, default=None, help="Block rows per step (default: the config's block_size).")
 @click.option("--chunk", type=int, default=256, show_default=True, help="Causal rows of the prefill profile.")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch of the profiles.")
@@ -34,8 +38,9 @@ def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, 
 
     One graph serves every kind of step: per batch row C causal rows (C >= 0)
     then block_size block rows; dynamic batch, T = C + block_size, slots and
-    pool length. The model is traced on the meta device: no weight is loaded,
-    and bf16 graphs of a bf16 checkpoint write no weight bytes. The readiness
+    pool length. The model is traced on the meta device: no weight is loaded or
+    converted (the graph references the checkpoint's shards, placed per
+    --weights; the output says how and which tools will read them). The readiness
     check (`clover-export check`) runs at the end; nothing is written unless
     everything succeeds.
     """
@@ -46,10 +51,9 @@ def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, 
                  force=force)
     w = res.weights
     for msg in w.messages:
-        click.echo(f"note: {msg}")
-    how = ", ".join(sorted(set(w.link_kind.values()))) or "-"
+        click.echo(f"{'warning' if msg in w.warnings else 'note'}: {msg}")
     click.echo(f"weights: --weights {w.mode}" + (f" (requested {w.requested})" if w.mode != w.requested else "")
-               + f" [{how}]: {_mib(w.bytes_referenced)} referenced, {_mib(w.bytes_copied)} copied, "
+               + f" [{w.placement}]: {_mib(w.bytes_referenced)} referenced, {_mib(w.bytes_copied)} copied, "
                f"{_mib(w.bytes_converted)} converted ({len(w.converted)} tensors)")
     click.echo(f"wrote {res.dir} in {res.seconds:.1f} s ({_mib(res.bytes_written)} written); readiness check passed")
 
@@ -63,11 +67,13 @@ def check_cmd(folder, verbose):
     and that the optimisation profiles cover every dynamic dimension. For TensorRT it reports the graph it
     would parse (model.trt.onnx), its plugin nodes by op, that no clover functions remain and the minimum
     TensorRT version; map-mode weights, a function left in model.trt.onnx or a plugin node without
-    plugin_namespace / plugin_version / aot are failures. Exit status 1 on any failure (one line each)."""
+    plugin_namespace / plugin_version / aot are failures. It also says which tools will read the folder's
+    external data and which refuse it (hard links: onnx >= 1.21; map mode: all but clover's loader), and
+    what to do (docs/exports.md). Exit status 1 on any failure (one line each)."""
     from clover_export.exporter.check import check_folder
 
     rep = check_folder(folder)
-    for line in rep.tensorrt:
+    for line in rep.tensorrt + rep.readers:
         click.echo(line)
     shown = [f for f in rep.findings if verbose or f.level == "fail"]
     for f in shown:

@@ -2,7 +2,9 @@
 
 Order: config and checkpoint headers are checked first (no weight byte read),
 the step graph is traced on the meta device, the weights are attached as
-external data per the chosen mode, the folder is checked (`check.py`) and
+external data per the chosen mode (`weights.py`; how they were placed --
+reflink, copy, hard link, mapped -- is in the manifest and decides which
+tools read the folder: docs/exports.md), the folder is checked (`check.py`) and
 only then moved into place (`outdir.commit_dir`). Any failure removes
 the temporary folder: an existing export at OUT stays as it was.
 """
@@ -30,7 +32,7 @@ from clover_export.errors import CloverError
 from clover_export.exporter import artifact as A
 from clover_export.exporter.trace import BATCH, IR_VERSION, OPSET, POOL_LEN, SLOTS, STEP_LEN, trace_step
 from clover_export.exporter.trt_graph import TRT_GRAPH, write_trt_graph
-from clover_export.exporter.weights import WeightReport, WeightWriter
+from clover_export.exporter.weights import WeightReport, WeightWriter, shard_bytes
 from clover_export.models import parse_dtype, resolve_model_dir
 from clover_export.outdir import claim_dir, commit_dir
 from clover_export.plugins import contracts
@@ -137,7 +139,8 @@ def export(
         raise CloverError("export", f"cannot create a folder beside {out} ({e.strerror or e})") from None
     try:
         _chmod_like_umask(tmp)
-        writer = WeightWriter(tmp, weights, torch_dtype)
+        used = [plans[name] for name in traced.parameters if name in plans]
+        writer = WeightWriter(tmp, weights, torch_dtype, checkpoint_bytes=shard_bytes(used))
         try:
             for name in traced.parameters:
                 if name in plans:

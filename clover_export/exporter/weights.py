@@ -2,8 +2,11 @@
 
 Every canonical tensor the graph references becomes an initializer whose
 external data is (location, offset, length) inside a safetensors shard:
-- `link`: the shards are reflinked (else hard-linked) into `weights/`; a
-  symlinked shard (Hugging Face cache) is resolved first. Zero bytes copied.
+- `link`: the shards are reflinked into `weights/` where the filesystem can
+  (zero bytes copied); else copied when the checkpoint is small (`artifact.COPY_BELOW`),
+  else hard-linked (zero bytes copied, but onnx >= 1.21 refuses hard links:
+  `READERS`, docs/exports.md); a symlinked shard (Hugging Face cache) is
+  resolved first.
 - `map`: nothing is linked; `weights.json` names the shards in place and
   `artifact.ort_session` feeds their memory-mapped bytes to ONNX Runtime.
 - `copy`: the shards are copied into `weights/` (a self-contained folder).
@@ -34,6 +37,7 @@ from onnx import TensorProto, helper
 from clover_export import names
 from clover_export.checkpoint import SAFETENSORS_DTYPE, TensorLocation, TensorPlan, TensorReader
 from clover_export.errors import CloverError
+from clover_export.exporter import artifact as A
 
 WEIGHTS_DIR = "weights"
 CONVERTED = "converted.bin"
@@ -67,11 +71,68 @@ def storage_dtype(st_dtype: str):
     return _STORAGE[st_dtype]
 
 
+# --- who reads an export's external data (docs/exports.md) ---------------------------------
+# Placement of a shard: "reflink" | "copy" (a regular file with one link: every reader accepts it),
+# "hardlink" (onnx >= 1.21 refuses any external-data file with more than one link, in onnx.load and in
+# onnx.checker by path; ONNX Runtime >= 1.24 only checks that the file resolves inside the folder;
+# TensorRT's parser opens it relative to the graph, refusing only '../'), "mapped" (`map` mode: the
+# file is not in the folder, only `artifact.ort_session` supplies the bytes).
+READERS = {  # key -> (short name, what the user runs)
+    "onnx": ("onnx.load / onnx.checker", "onnx.load(path) and onnx.checker.check_model(path)"),
+    "polygraphy-onnx": ("polygraphy inspect model", "polygraphy inspect model, and polygraphy run options that "
+                        "load the model through onnx (--shape-inference, --onnx-outputs, --save-onnx)"),
+    "onnxruntime": ("ONNX Runtime", "ONNX Runtime's InferenceSession(path) and polygraphy run --onnxrt"),
+    "tensorrt": ("TensorRT", "TensorRT's ONNX parser from a file (trtexec --onnx, polygraphy run --trt)"),
+}
+REFUSED_BY = {
+    "reflink": (), "copy": (),
+    "hardlink": ("onnx", "polygraphy-onnx"),
+    "mapped": tuple(READERS),
+}
+REMEDY = {
+    "hardlink": "export with --weights copy for a folder every tool loads; for the graph alone use "
+                "onnx.load(path, load_external_data=False) or polygraphy inspect model --ignore-external-data; "
+                "`clover-export check DIR` runs onnx.checker (full check) on the graph",
+    "mapped": "export with --weights link or copy; in Python, clover_export.exporter.ort_session(load_artifact(DIR)) "
+              "feeds the mapped weights to ONNX Runtime",
+}
+
+
+def refused_by(placement: str, short: bool = False) -> list[str]:
+    """What the user runs that refuses a folder whose shards are placed so (`READERS`)."""
+    return [READERS[k][0 if short else 1] for k in REFUSED_BY[placement]]
+
+
+def read_by(placement: str, short: bool = False) -> list[str]:
+    return [v[0 if short else 1] for k, v in READERS.items() if k not in REFUSED_BY[placement]]
+
+
+def hardlink_warning(shard_bytes: int) -> str:
+    """The one line `export` prints when it hard-linked the checkpoint (docs/exports.md)."""
+    return (f"weights/ holds hard links to the checkpoint (no reflinks on this filesystem; {_size(shard_bytes)} is "
+            f"above the {_size(A.COPY_BELOW)} copied by default): {' and '.join(read_by('hardlink', short=True))} "
+            f"read them, onnx >= 1.21 refuses them (\"potential hardlink attack\": "
+            f"{', '.join(refused_by('hardlink', short=True))}). Use --weights copy for a folder every tool loads, or "
+            f"onnx.load(path, load_external_data=False) for the graph alone; `clover-export check DIR` says more "
+            f"(docs/exports.md)")
+
+
+def _size(n: int) -> str:
+    return f"{round(n / 2**30, 1):g} GiB" if n >= 2**30 else f"{round(n / 2**20, 1):g} MiB"
+
+
+def shard_bytes(plans) -> int:
+    """Size of the checkpoint files the tensor plans reference (what `link` would copy)."""
+    files = {loc.file.resolve() for plan in plans for grp in plan.parts for loc in grp}
+    return sum(f.stat().st_size for f in files)
+
+
 @dataclass
 class WeightReport:
     requested: str
     mode: str  # the mode used
     messages: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the messages a user must not miss (also in `messages`)
     link_kind: dict[str, str] = field(default_factory=dict)  # shard -> "reflink" | "hardlink" | "copy" | "mapped"
     bytes_referenced: int = 0  # weight bytes the graph reads from the checkpoint (not written)
     bytes_copied: int = 0
@@ -83,9 +144,20 @@ class WeightReport:
     def weight_bytes_written(self) -> int:
         return self.bytes_copied + self.bytes_converted
 
+    @property
+    def placement(self) -> str:
+        """How the shards were placed: "reflink" | "copy" | "hardlink" | "mapped" (joined by "+" when mixed;
+        "none" when every tensor was converted)."""
+        return "+".join(sorted(set(self.link_kind.values()))) or "none"
+
+    def warn(self, text: str) -> None:
+        self.messages.append(text)
+        self.warnings.append(text)
+
     def to_dict(self) -> dict:
         return {
-            "mode": self.mode, "requested": self.requested, "messages": self.messages,
+            "mode": self.mode, "requested": self.requested, "placement": self.placement,
+            "messages": self.messages, "warnings": self.warnings,
             "shards": self.link_kind, "bytes_referenced": self.bytes_referenced,
             "bytes_copied": self.bytes_copied, "bytes_converted": self.bytes_converted,
             "weight_bytes_written": self.weight_bytes_written, "converted": self.converted,
@@ -126,10 +198,14 @@ def copy_file(src: Path, dst: Path) -> int:
 
 
 class WeightWriter:
-    """Builds the initializers, Concat nodes and weight map for one export into `folder`."""
+    """Builds the initializers, Concat nodes and weight map for one export into `folder`.
 
-    def __init__(self, folder: Path, mode: str, graph_dtype: torch.dtype):
+    `checkpoint_bytes`: the size of the shards the export references (`shard_bytes`), which decides
+    between a copy and a hard link in `link` mode where no reflink can be made."""
+
+    def __init__(self, folder: Path, mode: str, graph_dtype: torch.dtype, checkpoint_bytes: int = 0):
         self.folder = folder
+        self.checkpoint_bytes = checkpoint_bytes
         self.report = WeightReport(requested=mode, mode=mode)
         self.dtype = SAFETENSORS_DTYPE[graph_dtype]
         self.graph_dtype = graph_dtype
@@ -153,11 +229,11 @@ class WeightWriter:
         if shard.is_symlink() and self.report.mode != "map":
             self.report.messages.append(
                 f"{shard.name} is a symlink (Hugging Face cache layout) to {real}; onnx cannot reference symlinks, "
-                f"so its target is {'linked' if self.report.mode == 'link' else 'copied'} instead"
+                f"so its target is placed in {WEIGHTS_DIR}/ instead"
             )
         if self.report.mode == "link":
             try:
-                self.report.link_kind[real.name] = link_file(real, self.folder / rel)
+                self.report.link_kind[real.name] = self._link(real, self.folder / rel)
             except OSError as e:
                 self._fall_back_to_map(real, e)
         if self.report.mode == "copy":
@@ -170,9 +246,25 @@ class WeightWriter:
             self.files[real] = rel
         return self.files[real]
 
+    def _link(self, real: Path, dst: Path) -> str:
+        """`--weights link` for one shard: a reflink where the filesystem makes one (a plain file to every
+        reader, zero bytes copied); else a copy when the checkpoint is small (`A.COPY_BELOW`: loads in every
+        tool); else a hard link (zero copy, refused by onnx: `REFUSED_BY`). OSError when no hard link can be
+        made (another filesystem): the caller falls back to `map`. A failing copy raises from here."""
+        try:
+            reflink(real, dst)
+            return "reflink"
+        except OSError:
+            pass
+        if self.checkpoint_bytes <= A.COPY_BELOW:
+            self.report.bytes_copied += copy_file(real, dst)
+            return "copy"
+        hardlink(real, dst)
+        return "hardlink"
+
     def _fall_back_to_map(self, real: Path, e: OSError) -> None:
         why = "the output is on another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
-        self.report.messages.append(
+        self.report.warn(
             f"cannot link {real} into {self.folder.name}/ ({why}); falling back to --weights map: the graph "
             f"reads the checkpoint in place through weights.json (ONNX Runtime: clover_export.exporter.ort_session). "
             f"Use --weights copy for a self-contained folder, or export onto the checkpoint's filesystem"
@@ -255,7 +347,19 @@ class WeightWriter:
             e.key, e.value = k, v
         self.initializers.append(t)
 
+    def _placement_notes(self) -> None:
+        """One line on how `link` placed the shards where it could not reflink them (docs/exports.md)."""
+        kinds = set(self.report.link_kind.values())
+        if "hardlink" in kinds:
+            self.report.warn(hardlink_warning(self.checkpoint_bytes))
+        elif self.report.mode == "link" and "copy" in kinds:
+            self.report.messages.append(
+                f"no reflink could be made here: the checkpoint's shards ({_size(self.checkpoint_bytes)}; up to "
+                f"{_size(A.COPY_BELOW)} is copied by default) were copied, not hard-linked (onnx >= 1.21 refuses "
+                f"hard links), so the folder loads in every tool")
+
     def close(self) -> None:
+        self._placement_notes()
         if self._converted is not None:
             self._converted.close()
             self._converted = None
