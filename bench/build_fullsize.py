@@ -1,7 +1,7 @@
-"""Time `clover-export build` (bf16 and fp8) on a full-size sparse Clover-35B-A3B checkpoint (issue 11).
+"""Time `clover-export build` (bf16 and fp8) on a full-size sparse Clover-35B-A3B checkpoint.
 
-The checkpoint is `export_fullsize.py`'s: the real config, real safetensors
-headers, experts stored per expert, zero (sparse) data. Each build runs as a
+The checkpoint is `clover_export.testing.fullsize.write_sparse_checkpoint`'s: the
+real config, real safetensors headers, experts stored per expert, zero (sparse) data. Each build runs as a
 subprocess. Printed per build: wall time, CPU seconds (the build and its
 child processes), peak RSS of the whole process tree (the build runs its bf16
 export in a child process beside its own stages: the RSS of every process
@@ -15,7 +15,7 @@ for fp8 also the FP8 weight bytes, and the disk write rate achieved vs a
 plain sequential write of the same number of bytes measured in the same run
 (written, fsynced, deleted before the fp8 build starts).
 
-Targets (issue 11, 2-core 24 GB machine): bf16 <= 3 min and <= 12 GB peak
+Targets (on a 2-core 24 GB machine): bf16 <= 3 min and <= 12 GB peak
 RSS, no weight bytes written; fp8 <= 12 GB peak RSS, bytes written <= 1.05 x
 the FP8 weight bytes, wall <= 1.5 x the plain write time + 2 min.
 
@@ -34,8 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from export_fullsize import full_config, write_sparse_checkpoint  # noqa: E402
+from clover_export.testing.fullsize import full_size_config, write_sparse_checkpoint
 
 GiB = 2**30
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -176,13 +175,12 @@ def main() -> None:
             if not args.keep:
                 shutil.rmtree(work / "build-bf16")
         if args.only in (None, "fp8"):
-            from clover_export.config import config_from_dict
             from clover_export.engines.disk_plan import fp8_weight_file_bytes
             from clover_export.sizing import weight_bytes
 
-            cfg = config_from_dict(full_config())
+            cfg = full_size_config()
             fp8_file = fp8_weight_file_bytes(cfg)
-            fp8_gemm = weight_bytes(cfg, "fp8")  # the issue's "FP8 weight bytes" (34.08 GiB)
+            fp8_gemm = weight_bytes(cfg, "fp8")  # "the FP8 weight bytes" of the target (34.08 GiB)
             plain = plain_write(work / "plain-write.bin", fp8_file)
             print(f"plain sequential write of {fp8_file / GiB:.2f} GiB: {plain:.1f} s "
                   f"({fp8_file / plain / 2**20:.0f} MiB/s)")
@@ -207,10 +205,9 @@ def main() -> None:
 
 def fp8_weights_only(ckpt: Path, work: Path) -> None:
     """The FP8 weight stage of `build` alone (as a subprocess) next to a plain write of the same bytes."""
-    from clover_export.config import config_from_dict
     from clover_export.engines.disk_plan import fp8_weight_file_bytes
 
-    nbytes = fp8_weight_file_bytes(config_from_dict(full_config()))
+    nbytes = fp8_weight_file_bytes(full_size_config())
     plain = plain_write(work / "plain-write.bin", nbytes)
     print(f"plain sequential write of {nbytes / GiB:.2f} GiB: {plain:.1f} s ({nbytes / plain / 2**20:.0f} MiB/s)")
     code = ("import sys, time, os; from pathlib import Path; from clover_export.config import load_config; "

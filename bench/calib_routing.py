@@ -1,6 +1,6 @@
 """FP8 calibration alone on the full-size sparse checkpoint: the routing it gives vs routing as trained weights do.
 
-The sparse checkpoint (`export_fullsize.py`: zero weights) sends every row to
+The sparse checkpoint (`clover_export.testing.fullsize`: zero weights) sends every row to
 the same 8 experts (zero router logits tie; top-k takes the first 8), so a
 build on it runs 8 experts a layer. Trained weights spread the rows over all
 256: `routed_moe_core` then casts and runs every expert of every layer, twice
@@ -25,8 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from export_fullsize import write_sparse_checkpoint  # noqa: E402
+from clover_export.testing.fullsize import write_sparse_checkpoint
 
 CHILD = """
 import resource, sys, time

@@ -1,4 +1,4 @@
-"""The CPU path on a busy machine (issue 16): step time with 0, 2, 4 busy processes beside it.
+"""The CPU path on a busy machine: step time with 0, 2, 4 busy processes beside it.
 
     python bench/cpu_contention.py                       # torch and ort, before/after, 0 2 4 busy
     python bench/cpu_contention.py --backends torch --busy 0 2 --seconds 10
@@ -26,16 +26,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Sort: 3 1 2 9 4", "Reverse: robot", "Sort: 8 5 7 1"]
 SPIN = "import time, sys\nend = time.time() + float(sys.argv[1])\nwhile time.time() < end:\n    pass\n"
 
 
 def child(backend: str, policy: str, seconds: float) -> None:
     """One configuration: prints one JSON line {steps, step_s[]}."""
-    sys.path.insert(0, str(ROOT))
     from clover_export.runtime import Generator
     from clover_export.runtime.threads import usable_cores
 
@@ -65,7 +62,6 @@ def child(backend: str, policy: str, seconds: float) -> None:
 
 def measure(backend: str, policy: str, seconds: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, __file__, "--child", backend, policy, str(seconds)], env=env,
                          capture_output=True, text=True, timeout=seconds * 20 + 300)
     if out.returncode != 0:

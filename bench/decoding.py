@@ -1,4 +1,4 @@
-"""Decoding benchmark of the embedded default: accuracy vs parallelism (issue 5; DECODING.md 2, MODEL.md 5.3).
+"""Decoding benchmark of the embedded default: accuracy vs parallelism (DECODING.md 2, MODEL.md 5.3).
 
     python bench/decoding.py                      # torch + ort, 200 held-out prompts
     python bench/decoding.py --backends torch --count 64

@@ -39,14 +39,14 @@ if "--dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from clover_export import names, perf_bound  # noqa: E402
 from clover_export.config import config_from_dict  # noqa: E402
 from clover_export.model.model import CloverModel, Cores, init_random_  # noqa: E402
 from clover_export.runtime.backends.torch_backend import in_place_cores  # noqa: E402
+from clover_export.testing.cuda import copy_bandwidth, init_random_on_device_  # noqa: E402
+from clover_export.testing.fullsize import full_size_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
 TPF = (1.0, 2.55, 3.19)  # tokens per forward: one per step, and the anchor's range (PERF.md 4)
 
 
@@ -91,22 +91,19 @@ def config(args):
                              linear_value_head_dim=16, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
         d["layer_types"] = ["linear_attention", "full_attention"]
         return config_from_dict(d)
-    return config_from_dict(json.loads((ROOT / "clover_export/data/clover_35b_a3b_config.json").read_text()))
+    return full_size_config()
 
 
 def build_model(cfg, args, device) -> CloverModel:
     if args.dry_run:
         return init_random_(CloverModel(cfg), seed=0).eval().requires_grad_(False)
-    sys.path.insert(0, str(ROOT / "bench"))
-    from full_step import init_on_device_
-
     torch.set_default_dtype(torch.bfloat16)  # allocate the weights directly in bf16
     try:
         with torch.device(device):
             model = CloverModel(cfg).eval().requires_grad_(False)
     finally:
         torch.set_default_dtype(torch.float32)
-    init_on_device_(model, router_std=args.router_std)
+    init_random_on_device_(model, router_std=args.router_std)
     return model
 
 
@@ -156,8 +153,6 @@ def measure_bw(device, dry) -> tuple[float, float]:
         y = torch.empty_like(x)
         bw = 2 * n / timed(lambda: y.copy_(x), device, 3)
     else:
-        from gpu_check import copy_bandwidth
-
         bw = copy_bandwidth()
     m = 256 if dry else 8192
     a = torch.randn(m, m, device=device, dtype=torch.float32 if dry else torch.bfloat16)
@@ -202,7 +197,7 @@ def union_per_layer(backend, inputs, pools) -> list[int]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny config on the CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench/results")))
+    ap.add_argument("--out", default=os.environ.get("OUT", str(RESULTS)))
     ap.add_argument("--budget-s", type=float, default=None,
                     help="sections needing more than the budget left are skipped (default 400 s; dry run: none)")
     ap.add_argument("--past", type=int, default=None, help="cached prefix per row (default 4096; dry run 16)")
@@ -233,6 +228,7 @@ def main(argv=None):
                         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                         "layers": cfg.num_hidden_layers, "past": past, "batches": batches, "reps": reps,
                         "zipf": args.zipf, "dtype": "fp32" if dry else "bf16"}
+    bench.res["config"] = cfg.to_dict()
     if not dry:
         bench.res["env"]["driver"] = os.popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader").read().strip()
     bw, flops = measure_bw(device, dry)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end GPU run of the `triton` backend (bench/README.md, "Issue 12: triton backend end to end").
+# End-to-end GPU run of the `triton` backend (bench/README.md, "e2e_gpu").
 #
 #   bash bench/e2e_gpu.sh [e2e_gpu.py options, e.g. --budget-s 380 --no-fp8]
 #
@@ -21,7 +21,7 @@ PY="${PYTHON:-python3}"
     --format=csv || echo "NOTE nvidia-smi not found (torch decides whether there is a GPU)"
   "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())" \
     || echo "FAIL python with torch and triton"
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
   timeout -k 10 450 "$PY" -u bench/e2e_gpu.py --out "$OUT" "$@"
   rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then

@@ -1,4 +1,4 @@
-"""FP8 accuracy of a build's graph with every activation scale multiplied by a factor (issue 10).
+"""FP8 accuracy of a build's graph with every activation scale multiplied by a factor.
 
     clover-export build --out build/tiny --max-batch 2          # once (fp8 is the default precision)
     python bench/fp8_scale_sensitivity.py build/tiny [1 10 0.1 100 1000 ...]
@@ -10,8 +10,8 @@ tests/test_fp8_graph.py's trained-default thresholds are set from). Writes only 
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +35,9 @@ def main(build_dir: str, factors: list[float]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    main(sys.argv[1], [float(x) for x in sys.argv[2:]] or [1, 10, 0.1, 100, 1000])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("build", help="a finished fp8 build folder (its build.json and onnx-fp32)")
+    ap.add_argument("factors", type=float, nargs="*", default=[1, 10, 0.1, 100, 1000],
+                    help="activation scale factors (default: 1 10 0.1 100 1000)")
+    args = ap.parse_args()
+    main(args.build, args.factors)

@@ -14,37 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clover_export import names, perf_bound  # noqa: E402
-from clover_export.config import config_from_dict  # noqa: E402
-from clover_export.model.model import CloverModel, Cores, allocate_pools  # noqa: E402
-
-
-def init_on_device_(model: CloverModel, seed: int = 0, router_std: float = 0.02) -> None:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(1, 16, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.fill_(1.0)
-            elif name.endswith("block_softmax_scale"):
-                p.fill_(4.0)
-            elif p.dim() == 1 or name.endswith("block_softmax_gate"):
-                p.normal_(0, 0.1, generator=g)
-            elif name.endswith("mlp.gate.weight"):  # decisive routing: near-uniform router probabilities
-                p.normal_(0, router_std, generator=g)  # let bf16 noise flip experts and the comparison mean nothing
-            elif name.endswith(("conv1d.weight", "conv1d_right.weight")):
-                p.normal_(0, 0.5, generator=g)
-            else:
-                p.normal_(0, 0.02, generator=g)
+from clover_export import names, perf_bound
+from clover_export.model.model import CloverModel, Cores, allocate_pools
+from clover_export.testing.cuda import init_random_on_device_
+from clover_export.testing.fullsize import full_size_config
 
 
 def timed(fn, reps: int) -> float:
@@ -58,14 +36,14 @@ def timed(fn, reps: int) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--past", type=int, default=4096)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--router-std", type=float, default=0.5)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (same pattern) for a quick comparison")
     args = ap.parse_args()
-    cfg = config_from_dict(json.loads((Path(__file__).resolve().parents[1] / "clover_export/data/clover_35b_a3b_config.json").read_text()))
+    cfg = full_size_config()
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers, layer_types=cfg.layer_types[:args.layers])
     B, N, C = args.batch, cfg.block_size, cfg.block_size
@@ -74,7 +52,7 @@ def main():
     with torch.device("cuda"):
         model = CloverModel(cfg).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
-    init_on_device_(model, router_std=args.router_std)
+    init_random_on_device_(model, router_std=args.router_std)
     print(f"model on GPU in {time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
     L = args.past + C + N
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -67,7 +67,6 @@ def main() -> int:
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from clover_export.runtime import Generator
     from clover_export.tiny import cache_root
 

@@ -1,4 +1,4 @@
-"""Load on `clover-export serve`: N concurrent streaming clients vs the Generator called directly (SERVING.md; issue 13).
+"""Load on `clover-export serve`: N concurrent streaming clients vs the Generator called directly (SERVING.md).
 
     python bench/serve_load.py [MODEL] [--requests 24] [--concurrency 1,8,32] [--max-tokens 64] [--rounds 2]
 

@@ -10,7 +10,7 @@ step's K/V written, GDN state read + written), the copy bandwidth measured in
 the same run, the compute bound at the measured bf16 matmul rate, and
 `ms / bound_ms`. Also the MoE op alone (fraction of copy bandwidth, FP8 over
 BF16 at the same selection, FP8 widened and w8a8), a per-kernel profile of the
-replayed B=8 step, and issue 15's kernel changes side by side (`VARIANTS`: each
+replayed B=8 step, and the kernel changes side by side (`VARIANTS`: each
 alone on the 2026-11-30 kernels, then together) on three of the steps.
 
 The steps run the triton backend's kernels (`variant_cores(product_flags())`).
@@ -20,7 +20,9 @@ The steps run the triton backend's kernels (`variant_cores(product_flags())`).
 
 Writes $OUT/step_bound_<gpu>.json (rewritten after every scenario: one failure
 keeps the others) and $OUT/step_bound_<gpu>_profile.txt; a GPU run from the
-repository also copies both to bench/results/.
+repository also copies both to bench/results/. The bytes follow PERF.md 1
+through `clover_export.perf_bound` (reported as dense incl. lm_head, embedding
+rows, experts, K/V, GDN state).
 """
 
 from __future__ import annotations
@@ -36,29 +38,24 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+RESULTS = Path(__file__).resolve().parent / "results"
 if "--dry-run" in sys.argv:  # the interpreter must be on before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from clover_export import names  # noqa: E402
-from clover_export.config import config_from_dict  # noqa: E402
+from clover_export import names, perf_bound  # noqa: E402
 from clover_export.engines.quantize import dequantize, quantize_weight  # noqa: E402
 from clover_export.model.model import CloverModel, allocate_pools  # noqa: E402
 from clover_export.model.moe import moe_core  # noqa: E402
+from clover_export.testing.cuda import copy_bandwidth, graph_ms  # noqa: E402
+from clover_export.testing.fullsize import full_size_config  # noqa: E402
 
 PEAK_BW = 4.8e12  # H200 HBM3e, vendor figure (PERF.md 1)
 ZIPF_S = 1.1  # skew of the planted router (PERF.md 2)
 
 
 # ------------------------------------------------------------------ setup
-def full_config():
-    cfg = json.loads((ROOT / "clover_export/data/clover_35b_a3b_config.json").read_text())
-    return config_from_dict(cfg)
-
-
 def dry_config():
     from clover_export.tiny import tiny_config
 
@@ -68,7 +65,8 @@ def dry_config():
 
 
 def init_weights_(model: CloverModel, seed: int, device) -> None:
-    """Random weights with a full_step.py-like spread (norms and GDN parameters in their ranges)."""
+    """Random weights with a spread like `testing.cuda.init_random_on_device_` (norms and GDN parameters in their
+    ranges; norm weights around 1; the routers are set apart by `set_router_`)."""
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -112,16 +110,11 @@ class Timer:
             t = time.perf_counter()
             fn()
             return 1e3 * (time.perf_counter() - t)
-        sys.path.insert(0, str(ROOT / "bench"))
-        from gpu_check import graph_ms
-
         return graph_ms(fn, n=n, reps=reps)
 
     def copy_bw(self, dev) -> float:
         """Bytes/s of a large device-to-device copy (read + write)."""
         if self.cuda:
-            from gpu_check import copy_bandwidth
-
             return copy_bandwidth()
         n = 2**24
         x = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -138,32 +131,12 @@ class Timer:
 
 
 # ------------------------------------------------------------------ bytes (PERF.md 1)
-def expert_bytes(cfg, fp8: bool) -> int:
-    D, I = cfg.hidden_size, cfg.moe_intermediate_size
-    return 3 * I * D + 4 * (2 * I + D) if fp8 else 3 * I * D * 2
-
-
-def dense_bytes(model: CloverModel) -> int:
-    """Every non-expert weight except the embedding table (final norm and lm_head included: logits computed)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-               if ".experts." not in n and "embed_tokens" not in n)
-
-
-def step_bytes(model, cfg, sc: dict, union: list[int], fp8: bool, dtype_bytes: int) -> dict:
-    B, T = sc["B"], sc["C"] + sc["N"]
-    n_att, n_gdn = len(cfg.attention_layers), len(cfg.gdn_layers)
-    kv_row = n_att * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-    state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-             + cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes)
-    parts = dict(
-        dense=dense_bytes(model),
-        embedding_rows=B * T * cfg.hidden_size * dtype_bytes,
-        experts=sum(union) * expert_bytes(cfg, fp8),
-        kv=B * (sc["past"] + T) * kv_row,  # prefix read + the step's own K/V written
-        gdn_state=2 * B * n_gdn * state,  # read and written
-    )
-    parts["total"] = sum(parts.values())
-    return parts
+def step_bytes(cfg, sc: dict, union: list[int], fp8: bool, dtype_bytes: int) -> dict:
+    """The step's bytes by PERF.md 1 (`perf_bound.step_bytes`), in the parts this script reports."""
+    by = perf_bound.step_bytes(cfg, rows=sc["B"] * (sc["C"] + sc["N"]), past_len=[sc["past"]] * sc["B"],
+                               experts_per_layer=union, fp8=fp8, dtype_bytes=dtype_bytes)
+    return dict(dense=by.dense + by.head, embedding_rows=by.embedding, experts=by.experts, kv=by.kv,
+                gdn_state=by.state, total=by.total)
 
 
 def active_params(model, cfg) -> int:
@@ -180,7 +153,7 @@ SCENARIOS = [  # PERF.md 1; C causal rows, N block rows per batch row
 ]
 
 
-# Issue 15's kernel changes, each alone on the 2026-11-30 baseline and all together, timed side by side
+# The kernel changes, each alone on the 2026-11-30 baseline and all together, timed side by side
 # (same model, same step inputs, one run). Flags: gdn_split (conv kernel + delta rule on a (row, v-head,
 # dv tile) grid, else the one-launch kernel), glue (norms.py fused RMSNorm/residual, q/k-norm + RoPE, gated
 # norm, else torch), align (count + place kernels, else torch.sort + searchsorted), kv_first (the step's K/V
@@ -193,7 +166,7 @@ VARIANTS = {
     "baseline": {},
     **{flag: {flag: True} for flag in PRODUCT},  # each change alone
     "product": PRODUCT,
-    # candidates on top of the product (issue 15: larger down-projection tiles, attention BLOCK_M 128, FA's splits)
+    # candidates on top of the product (larger down-projection tiles, attention BLOCK_M 128, FA's splits)
     "product_down_n128": dict(PRODUCT, moe_tiles={"BLOCK_N2": 128}),
     "product_attn_m128": dict(PRODUCT, attn_tiles=(128, 64, 8, 2)),
     "product_attn_waves": dict(PRODUCT, attn_split_rule="waves"),
@@ -211,7 +184,7 @@ def product_flags() -> dict:
 
 
 def variant_cores(flags: dict, fp8_experts: dict | None, cfg):
-    """`Cores` of the triton backend's kernels with each issue-15 change on or off (`VARIANTS` flags); the shared
+    """`Cores` of the triton backend's kernels with each kernel change on or off (`VARIANTS` flags); the shared
     expert joins the grouped GEMMs only where launch.moe_shared_fusable allows, as in the backend."""
     from functools import partial
 
@@ -318,11 +291,11 @@ def moe_only(model, cfg, timer, dev, dtype, fp8_experts, B: int, rows: int, N: i
         want = moe_core(*a)[0]
         res["bf16_rel_err_vs_core"] = _rel(ops.coreset_moe(*a)[0], want)
         ms = timer.step_ms(lambda: ops.coreset_moe(*a), n=10)
-        res.update(bf16_ms=ms, bf16_bytes=union * expert_bytes(cfg, False) + io)
+        res.update(bf16_ms=ms, bf16_bytes=union * perf_bound.expert_bytes(cfg, False) + io)
         if fp8_experts is not None:
             gq, gs, dq, ds = fp8_experts[mlp.experts.gate_up_proj.data_ptr()]
             want8 = moe_core(x, a[1], dequantize(gq, gs, dtype), dequantize(dq, ds, dtype), *a[4:])[0]
-            res["fp8_bytes"] = union * expert_bytes(cfg, True) + io
+            res["fp8_bytes"] = union * perf_bound.expert_bytes(cfg, True) + io
             for tag, a8 in (("", False), ("_w8a8", True)):
                 fp8 = lambda a8=a8: ops.coreset_moe(x, a[1], gq, dq, *a[4:], gate_up_scale=gs, down_scale=ds,  # noqa: E731
                                                     tiles={"A8": a8})
@@ -404,7 +377,7 @@ def main(argv=None) -> int:
         return 1
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = full_config() if cuda else dry_config()
+    cfg = full_size_config() if cuda else dry_config()
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers, layer_types=cfg.layer_types[:args.layers])
     past = args.past if args.past is not None else (4096 if cuda else 8)
@@ -414,7 +387,7 @@ def main(argv=None) -> int:
     tag = "dryrun" if not cuda else tag_of(env["gpu"])
     json_path, prof_path = out / f"step_bound_{tag}.json", out / f"step_bound_{tag}_profile.txt"
     timer = Timer(cuda)
-    res = dict(env, past=past, layers=cfg.num_hidden_layers, steps=[], moe={}, errors=[])
+    res = dict(env, past=past, layers=cfg.num_hidden_layers, config=cfg.to_dict(), steps=[], moe={}, errors=[])
 
     def save():
         res["elapsed_s"] = round(time.time() - t0, 1)
@@ -493,7 +466,7 @@ def main(argv=None) -> int:
                 union = step.union_per_layer()
                 with torch.no_grad():
                     ms = timer.step_ms(step)
-                by = step_bytes(model, cfg, sc, union, sc["fp8"], torch.finfo(dtype).bits // 8)
+                by = step_bytes(cfg, sc, union, sc["fp8"], torch.finfo(dtype).bits // 8)
                 mem_ms = 1e3 * by["total"] / copy_bw
                 comp_ms = 1e3 * 2 * compute * sc["B"] * (sc["C"] + sc["N"]) / (res["matmul_tflops"] * 1e12)
                 bound = max(mem_ms, comp_ms)
@@ -528,7 +501,7 @@ def main(argv=None) -> int:
                             for r, v in res["moe"].items()}
     save()
     if cuda:  # keep the figures with the repository
-        dest = ROOT / "bench" / "results"
+        dest = RESULTS
         for p in (json_path, prof_path):
             if p.exists() and dest.is_dir() and out.resolve() != dest.resolve():
                 shutil.copy(p, dest / p.name)

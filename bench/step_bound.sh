@@ -7,7 +7,7 @@
 # weights + 32 GB FP8 expert twins), torch and Triton; TensorRT is not needed. Writes
 # $OUT/step_bound_<gpu>.json, $OUT/step_bound_<gpu>_profile.txt and $OUT/step_bound.log, and copies the
 # first two to bench/results/. Without $OUT: /tmp/clover_step_bound. Wall time about 5-7 minutes on an
-# H200 (Triton compiling + weight init + the issue-15 variants); the Python part is killed at 390 s and
+# H200 (Triton compiling + weight init + the kernel variants); the Python part is killed at 390 s and
 # skips scenarios past its budget (default 330 s; the variants run first), so the whole script stays under 7 minutes.
 set -u
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ PY="${PYTHON:-python3}"
       || echo "FAIL nvidia-smi query"
   fi
   export TRITON_DEFAULT_FP_FUSION=1
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
   timeout -k 10 390 "$PY" -u bench/step_bound.py --out "$OUT" --budget 330 "$@"
   rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then

@@ -1,4 +1,4 @@
-"""Per-step time against the pools' capacity (issue 17): the same greedy request at several max_context.
+"""Per-step time against the pools' capacity: the same greedy request at several max_context.
 
     python bench/step_capacity.py                        # torch backend, embedded default, 1 thread
     python bench/step_capacity.py --contexts 1024 131072 --steps 32
@@ -56,7 +56,6 @@ def main() -> int:
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from clover_export.runtime import Generator
     from clover_export.tiny import cache_root
 

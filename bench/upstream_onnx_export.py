@@ -1,4 +1,4 @@
-"""What plain `torch.onnx.export` does with the upstream model (bench/README.md, "Export at full size").
+"""What plain `torch.onnx.export` does with the upstream model (bench/README.md, "upstream_onnx_export").
 
 Builds a tiny random `transformers.Qwen3_5MoeForCausalLM` (4 layers, 6
 experts) and tries `torch.onnx.export(dynamo=True)` three ways: with the
@@ -10,6 +10,7 @@ expert loop. Prints where each attempt stops. Needs transformers (test extra).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import logging
@@ -18,6 +19,7 @@ import warnings
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     import torch
     import transformers
 

@@ -112,13 +112,10 @@ def test_check_reports_what_tensorrt_gets(bf16_export):
 @pytest.mark.slow
 def test_full_size_graph_plugin_count():
     """The Clover-35B-A3B step graph traced on the meta device (no weights): 40 layers -> 240 plugin layers."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    from export_fullsize import full_config
-
-    from clover_export.config import config_from_dict
     from clover_export.exporter.trace import trace_step
+    from clover_export.testing.fullsize import full_size_config
 
-    cfg = config_from_dict(full_config())
+    cfg = full_size_config()
     traced = trace_step(cfg, torch.bfloat16, cfg.block_size).model
     g = trt_graph(traced, cfg.num_experts, cfg.max_context)
     assert plugin_nodes(g) == independent_count(cfg, split=True)

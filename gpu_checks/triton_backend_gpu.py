@@ -1,10 +1,10 @@
-"""GPU check of the `triton` runtime backend on the embedded default (issue 12).
+"""GPU check of the `triton` runtime backend on the embedded default.
 
 Greedy tokens of a staggered batch (requests in different phases) from the `triton` backend
 (kernels + CUDA graphs, and eager kernels) against the `torch` backend on the same GPU and dtype,
 plus the mean step time of each. Prints PASS/FAIL and BENCH lines.
 
-    python bench/triton_backend_gpu.py [--dtype fp32|bf16]
+    python gpu_checks/triton_backend_gpu.py [--dtype fp32|bf16]
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from clover_export.runtime import Generator  # noqa: E402
+from clover_export.runtime import Generator
 
 PROMPTS = ["Sort: 3 1 2 9 4", "Reverse: 5 6 7 1 2 8 9", "Sort: 9 8 7 6 5 4 3 2 1 0 5 5", "Reverse: 1 2"]
 
@@ -44,8 +41,8 @@ def run(backend: str, dtype: str, **opts):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="fp32")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     ref, ref_ms, ref_steps = run("torch", args.dtype)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU check of the plugin kernels on one CUDA GPU without TensorRT (STEP_GRAPH.md 5).
 
-Run through `bench/gpu_check.sh` (it sets up the environment and a hard
+Run through `gpu_checks/gpu_check.sh` (it sets up the environment and a hard
 timeout). Each step prints one `PASS name ...`, `FAIL name ...` or
 `SKIP name ...` line and never stops the run; results accumulate in
 `$OUT/gpu_check_results.json` (rewritten after every step) and the AOT PTX
@@ -15,7 +15,7 @@ under `$OUT/ptx/`.
    inputs, int32 scalars, pointers of the outputs; grid, block, dynamic
    shared memory), through CuPy `RawModule` (or libcuda via ctypes when CuPy
    is missing): PTX compiled here by this machine's Triton, and the PTX
-   carried from the project machine (bench/ptx, if present).
+   carried from the project machine (gpu_checks/ptx, if present).
 3. A tiny model step with the kernels as its cores, eager and CUDA-graph replay.
 4. Benchmarks at Clover-35B-A3B layer sizes: CoresetMoE bandwidth over the
    selected experts' bytes and FP8/BF16 speedup; BlockGDN and BlockAttention
@@ -25,25 +25,34 @@ under `$OUT/ptx/`.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # before triton is imported
 
 import torch  # noqa: E402
 
+from clover_export.testing.cuda import arch, bench_ms, graph_ms  # noqa: E402
+from clover_export.testing.kernel_cases import (  # noqa: E402
+    DEV,
+    REAL,
+    attention_inputs,
+    check_attention,
+    check_gdn,
+    check_moe,
+    gdn_inputs,
+    moe_inputs,
+    rel,
+)
+from clover_export.testing.ptx_launcher import Launcher  # noqa: E402
+
 PEAK_BW = 4.8e12  # H200 HBM3e, vendor figure
 MOE_BW_TARGET, FP8_TARGET, CORE_SPEEDUP_TARGET = 0.60, 1.6, 10.0
-REAL = dict(D=2048, E=256, k=8, I=512, Hk=16, Hv=32, dk=128, dv=128, K=4, H=16, Hkv=2, hd=256, N=32, top_p=0.9)
-DEV = "cuda"
+CARRIED_PTX = Path(__file__).resolve().parent / "ptx"  # optional: PTX built on another machine, launched too
 
 
 # ------------------------------------------------------------------ bookkeeping
@@ -81,210 +90,6 @@ class Run:
         tmp.write_text(json.dumps({"elapsed_s": round(time.time() - self.t0, 1), "results": self.results},
                                   indent=1, default=str))
         tmp.replace(self.out / "gpu_check_results.json")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def bench_ms(fn, rep_ms: int = 100) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
-
-
-def copy_bandwidth(n: int = 1 << 30, reps: int = 20) -> float:
-    """Bytes/s (read + write) of a device-to-device copy of n bytes: the median of `reps` eager copies timed
-    with CUDA events (PERF.md 1's bandwidth). Not from a CUDA graph: a captured copy_ becomes a graph memcpy
-    node, which read 2.7 TB/s on the H200 where eager copies read 4.1-4.2 (bench/README.md, issue 15)."""
-    x = torch.empty(n, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return 2 * n / sorted(ts)[len(ts) // 2]
-
-
-def graph_ms(fn, n: int = 10, reps: int = 5) -> float:
-    """Median time per call of `fn` replayed from a CUDA graph of n calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / n)
-    return sorted(times)[len(times) // 2]
-
-
-def arch() -> int:
-    major, minor = torch.cuda.get_device_capability()
-    return major * 10 + minor
-
-
-# ------------------------------------------------------------------ inputs
-def gdn_inputs(B, Hk, Hv, dk, dv, K, N, Tc, S, dtype, pdtype, seed, nc=None, slots=None):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    C, T = 2 * Hk * dk + Hv * dv, Tc + N
-
-    def r(*shape, sc=1.0, dt=dtype):
-        return (torch.randn(*shape, generator=g, device=DEV) * sc).to(dt)
-
-    args = [r(B, T, C), r(B, T, Hv), r(B, T, Hv), r(C, K, sc=0.5, dt=pdtype), r(C, K, sc=0.5, dt=pdtype),
-            torch.rand(Hv, generator=g, device=DEV).mul(15).add(1).log().to(pdtype), r(Hv, sc=0.1, dt=pdtype) + 1,
-            (torch.rand(Hv, generator=g, device=DEV) * 6 + 2).to(pdtype), r(Hv, sc=0.1, dt=pdtype)]
-    pools = [r(S, C, K - 1), r(S, Hv, dk, dv, sc=0.1, dt=torch.float32)]
-    slots = torch.tensor(slots or list(range(S - 1, S - 1 - B, -1)), dtype=torch.int32, device=DEV)
-    nc = torch.tensor(nc or [Tc] * B, dtype=torch.int32, device=DEV)
-    return args, pools, slots, nc
-
-
-def attention_inputs(B, H, Hkv, hd, N, Tc, S, L, past, nc, dtype, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    T = Tc + N
-    r = lambda *s: torch.randn(*s, generator=g, device=DEV).to(dtype)  # noqa: E731
-    q, k, v = r(B, T, H, hd), r(B, T, Hkv, hd), r(B, T, Hkv, hd)
-    pools = [r(S, Hkv, L, hd), r(S, Hkv, L, hd)]
-    ids = [torch.tensor(x, dtype=torch.int32, device=DEV) for x in (list(range(S - 1, S - 1 - B, -1)), past, nc)]
-    return (q, k, v), pools, ids
-
-
-def moe_inputs(B, T, D, E, I, dtype, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(B, T, D, generator=g, device=DEV).to(dtype)
-    rw = (torch.randn(E, D, generator=g, device=DEV) * D ** -0.5 * 2).to(dtype)  # router logits with std ~2
-    gu = (torch.randn(E, 2 * I, D, generator=g, device=DEV) * D ** -0.5).to(dtype)
-    dn = (torch.randn(E, D, I, generator=g, device=DEV) * I ** -0.5).to(dtype)
-    return x, rw, gu, dn
-
-
-# ------------------------------------------------------------------ 1. correctness
-def check_gdn(dtype, pdtype=None, tol=None):
-    from clover_export.model.gdn import gdn_core
-    from clover_export.plugins.triton.ops import block_gdn
-
-    pdtype = pdtype or dtype
-    tol = tol or (2e-3 if dtype == torch.float32 else 3e-2)
-    c = dict(B=3, Hk=REAL["Hk"], Hv=REAL["Hv"], dk=REAL["dk"], dv=REAL["dv"], K=REAL["K"], N=REAL["N"], Tc=32, S=5)
-    args, (cp, rp), slots, nc = gdn_inputs(**c, dtype=dtype, pdtype=pdtype, seed=1, nc=[32, 5, 0], slots=[4, 0, 2])
-    want = gdn_core(*args, cp, rp, slots, nc, c["Hk"], c["dk"], c["dv"], c["N"])
-    mine_c, mine_r = cp.clone(), rp.clone()
-    o = block_gdn(*args, mine_c, mine_r, slots, nc, c["Hk"], c["dk"], c["dv"], c["N"])[0]
-    info = {"o_rel": rel(o, want[0]), "rec_rel": rel(mine_r, want[2]),
-            "conv_exact": bool(torch.equal(mine_c, want[1])),
-            "untouched_slots_exact": bool(torch.equal(mine_r[[1, 3]], rp[[1, 3]]) and torch.equal(mine_c[[1, 3]], cp[[1, 3]]))}
-    info["_ok"] = info["o_rel"] < tol and info["rec_rel"] < tol and info["conv_exact"] and info["untouched_slots_exact"]
-    return info
-
-
-def check_attention(dtype, splits, tol=None):
-    from clover_export.model.attention import attention_core
-    from clover_export.plugins.triton.ops import block_attention
-
-    tol = tol or (1e-3 if dtype == torch.float32 else 2e-2)
-    c = dict(B=3, H=16, Hkv=2, hd=256, N=32, Tc=32, S=5, L=4160)
-    (q, k, v), (kp, vp), ids = attention_inputs(**c, past=[4096, 17, 0], nc=[32, 7, 0], dtype=dtype, seed=2)
-    want = attention_core(q, k, v, kp, vp, *ids, c["N"], c["hd"] ** -0.5)
-    mk, mv = kp.clone(), vp.clone()
-    o = block_attention(q, k, v, mk, mv, *ids, c["N"], c["hd"] ** -0.5, splits=splits)[0]
-    info = {"o_rel": rel(o, want[0]), "k_exact": bool(torch.equal(mk, want[1])), "v_exact": bool(torch.equal(mv, want[2]))}
-    info["_ok"] = info["o_rel"] < tol and info["k_exact"] and info["v_exact"]
-    return info
-
-
-def check_moe(dtype, fp8=False, tol=None):
-    from clover_export.engines.quantize import dequantize, quantize_weight
-    from clover_export.model.moe import moe_core
-    from clover_export.plugins.triton.ops import coreset_moe
-
-    tol = tol or (1e-3 if dtype == torch.float32 else 3e-2)
-    B, T, N = 2, 64, 32
-    x, rw, gu, dn = moe_inputs(B, T, REAL["D"], REAL["E"], REAL["I"], dtype, seed=3)
-    kw = {}
-    if fp8:
-        (gq, gs), (dq, ds) = quantize_weight(gu), quantize_weight(dn)
-        gu, dn = dequantize(gq, gs, dtype), dequantize(dq, ds, dtype)
-        kw = dict(gate_up_scale=gs, down_scale=ds)
-    want = moe_core(x, rw, gu, dn, REAL["k"], REAL["top_p"], True, N)
-    got = coreset_moe(x, rw, gq if fp8 else gu, dq if fp8 else dn, REAL["k"], REAL["top_p"], True, N, **kw)
-    info = {"routed_rel": rel(got[0], want[0]), "coreset_size": got[1].tolist(), "ref_coreset_size": want[1].tolist()}
-    info["_ok"] = info["routed_rel"] < tol and info["coreset_size"] == info["ref_coreset_size"]
-    return info
-
-
-# ------------------------------------------------------------------ 2. AOT PTX launched like TensorRT
-class Launcher:
-    """CuPy RawModule; libcuda through ctypes when CuPy is missing or refuses."""
-
-    def __init__(self, force_ctypes: bool = False):
-        self.cp = None
-        if not force_ctypes:
-            try:
-                import cupy
-                self.cp = cupy
-            except Exception as e:  # noqa: BLE001
-                print(f"NOTE cupy unavailable ({type(e).__name__}: {e}); using libcuda via ctypes", flush=True)
-        self.kind = "cupy" if self.cp is not None else "ctypes-libcuda"
-        if self.cp is None:
-            lib = ctypes.CDLL("libcuda.so.1")
-            vp, u = ctypes.c_void_p, ctypes.c_uint
-            lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
-            lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
-            lib.cuFuncSetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_int]
-            lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
-            self.lib = lib
-
-    def _check(self, rc, what):
-        if rc != 0:
-            raise RuntimeError(f"{what} failed: CUresult {rc}")
-
-    def load(self, ptx_path: Path, name: str):
-        if self.cp is not None:
-            return self.cp.RawModule(path=str(ptx_path)).get_function(name)
-        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(self.lib.cuModuleLoadData(ctypes.byref(mod), ptx_path.read_bytes() + b"\0"), "cuModuleLoadData")
-        self._check(self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), "cuModuleGetFunction")
-        return fn
-
-    def launch(self, fn, grid, block: int, shared: int, args, opt_in: bool = True):
-        """args: [("ptr", int) | ("i32", int)] in kernel order; on torch's current stream."""
-        import numpy as np
-
-        stream = torch.cuda.current_stream().cuda_stream
-        if self.cp is not None:
-            if opt_in and shared > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = shared
-            vals = tuple(np.uint64(v) if kind == "ptr" else np.int32(v) for kind, v in args)
-            with self.cp.cuda.ExternalStream(stream):
-                fn(tuple(int(g) for g in grid), (block, 1, 1), vals, shared_mem=shared)
-            return
-        if opt_in and shared > 48 * 1024:
-            self._check(self.lib.cuFuncSetAttribute(fn, 8, shared), "cuFuncSetAttribute")  # MAX_DYNAMIC_SHARED_SIZE_BYTES
-        store = [ctypes.c_uint64(v) if kind == "ptr" else ctypes.c_int32(v) for kind, v in args]
-        params = (ctypes.c_void_p * len(store))(*[ctypes.cast(ctypes.pointer(s), ctypes.c_void_p) for s in store])
-        gx, gy, gz = (int(g) for g in grid)
-        self._check(self.lib.cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, shared, ctypes.c_void_p(stream), params, None),
-                    "cuLaunchKernel")
 
 
 def _abi_args(abi, tensors: dict, shapes: dict):
@@ -560,7 +365,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/clover_gpu_check")))
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later steps are skipped past it")
-    ap.add_argument("--carried", type=Path, default=ROOT / "bench" / "ptx", help="PTX + manifest.json built elsewhere")
+    ap.add_argument("--carried", type=Path, default=CARRIED_PTX, help="PTX + manifest.json built elsewhere")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
     args = ap.parse_args()
     run = Run(args.out, args.budget)

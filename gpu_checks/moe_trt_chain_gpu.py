@@ -1,4 +1,4 @@
-"""GPU check of CoresetMoE as TensorRT runs it (issue 14): the five AOT sub-op kernels from their PTX.
+"""GPU check of CoresetMoE as TensorRT runs it: the five AOT sub-op kernels from their PTX.
 
 Each sub-op of `model.trt.onnx` (MoERoute, MoEAlign, MoEGateUp(FP8), MoEDown(FP8), MoECombine) is
 compiled to PTX for this GPU (`aot.compile_variant`, hidden parameters stripped) and launched exactly
@@ -8,22 +8,21 @@ logits are a plain bf16 matmul, as the graph's MatMul. Checked against `moe_core
 references) and the sub-op torch references; timed side by side with the Triton+torch path
 (`ops.coreset_moe`: torch.sort + searchsorted + four Triton launches). No TensorRT needed.
 
-    python bench/moe_trt_chain_gpu.py          (prints PASS/FAIL and BENCH lines)
+    python gpu_checks/moe_trt_chain_gpu.py          (prints PASS/FAIL and BENCH lines)
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-
-from gpu_check import REAL, Launcher, arch, bench_ms, rel  # noqa: E402
+from clover_export.testing.cuda import arch, bench_ms
+from clover_export.testing.kernel_cases import REAL, rel
+from clover_export.testing.ptx_launcher import Launcher
 
 
 def sub_op_chain(x, rw, gu, dn, gs, ds, attrs, launcher, ptx_dir, cache):
@@ -123,6 +122,7 @@ def check_case(name, B, Tc, fp8, launcher, ptx_dir, cache, results):
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     launcher = Launcher()
     print(f"GPU {torch.cuda.get_device_name()} sm_{arch()}, launcher {launcher.kind}", flush=True)
     ptx_dir = Path(tempfile.mkdtemp(prefix="moe_ptx_"))
