@@ -35,6 +35,8 @@ class GenerationSettings:
     dllm_think_end_start: int = 4096
     dllm_think_end_window: int = 4096
     enable_thinking: bool = True
+    min_tokens: int = 0  # no end token before this many response tokens (vLLM's min_tokens)
+    ignore_eos: bool = False  # end tokens do not end the response: it runs to max_new_tokens (vLLM)
     seed: int | None = None
     eos_token_id: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -56,6 +58,8 @@ class GenerationSettings:
             allowed.check(name, getattr(self, name))
         if self.seed is not None:
             SEED_RANGE.check("seed", self.seed)
+        if self.min_tokens > self.max_new_tokens:
+            raise _bad("min_tokens", f"must be at most max_new_tokens ({self.max_new_tokens})", self.min_tokens)
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in self.eos_token_id):
             raise _bad("eos_token_id", "must be integer token ids", self.eos_token_id)
         if vocab_size is not None:
@@ -107,8 +111,8 @@ RANGES: dict[str, Range] = {
     "top_k": Range("int", 0),  # 0 = off
     "top_p": Range("real", 0, 1, low_open=True),
     "repetition_penalty": Range("real", 0, low_open=True),
-    "frequency_penalty": Range("real", 0),
-    "presence_penalty": Range("real", 0),
+    "frequency_penalty": Range("real", -2, 2),  # OpenAI's range: negative favours repeats
+    "presence_penalty": Range("real", -2, 2),
     "dllm_length_penalty": Range("real", 0),
     "dllm_length_penalty_start": Range("real", 0),
     "dllm_length_penalty_window": Range("real", 0, low_open=True),
@@ -116,6 +120,8 @@ RANGES: dict[str, Range] = {
     "dllm_think_end_start": Range("real", 0),
     "dllm_think_end_window": Range("real", 0, low_open=True),
     "enable_thinking": Range("bool"),
+    "min_tokens": Range("int", 0),
+    "ignore_eos": Range("bool"),
 }
 SEED_RANGE = Range("int", 0, 2**64 - 1)  # torch.Generator.manual_seed takes 64-bit seeds; None = random
 

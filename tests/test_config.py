@@ -98,7 +98,7 @@ def test_generation_settings_defaults_override_and_validation(tmp_path):
     loaded = load_generation_settings(tmp_path)
     assert loaded.threshold == 0.8 and loaded.eos_token_id == (7,) and loaded.top_k == 20
     assert loaded.override(threshold=0.5).threshold == 0.5
-    for bad in ({"threshold": 0.0}, {"threshold": 1.5}, {"max_new_tokens": 0}, {"presence_penalty": -1.0},
+    for bad in ({"threshold": 0.0}, {"threshold": 1.5}, {"max_new_tokens": 0}, {"presence_penalty": -2.5},
                 {"top_p": 0.0}):
         with pytest.raises(CloverError, match=f"'{next(iter(bad))}'"):
             g.override(**bad)

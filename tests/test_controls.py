@@ -115,3 +115,25 @@ def test_thinking_open_rule():
 def test_ramp_clamps():
     n = torch.tensor([[0.0, 8.0, 12.0, 100.0]])
     assert ramp(n, torch.tensor([8.0]), torch.tensor([8.0])).tolist() == [[0.0, 0.0, 0.5, 1.0]]
+
+
+def test_min_tokens_blocks_end_tokens_before_n_only():
+    """vLLM's min_tokens: every end token is -inf at response positions n < min_tokens; other tokens and
+    later positions keep their logits (the padding entry -1 of the end-token table touches nothing)."""
+    got = run([0] * 6, [0, 2, 3, 7], min_tokens=3, max_new_tokens=8)
+    for row, n in zip(got, [0, 2, 3, 7]):
+        assert close(row, LOGITS[:END] + [float("-inf") if n < 3 else 1.0] + LOGITS[END + 1:])
+    assert close(run([0] * 6, [0], min_tokens=0)[0], LOGITS)  # the default changes nothing
+    # two end tokens, one row's table padded: both of row 0's ends blocked, row 1's own only
+    rows = [GenerationSettings(min_tokens=4, **NEUTRAL), GenerationSettings(min_tokens=1, **NEUTRAL)]
+    p = RowParams(torch.tensor([param_row(s) for s in rows]))
+    logits = torch.tensor([[LOGITS], [LOGITS]])
+    none = torch.zeros(2, 0)
+    out = apply_controls_(logits, none.long(), none, torch.tensor([[2.0], [2.0]]), p,
+                          torch.tensor([[END, 0], [1, -1]]), None)
+    assert close(out[0, 0].tolist(), [float("-inf")] + LOGITS[1:END] + [float("-inf"), float("-inf")])
+    assert close(out[1, 0].tolist(), LOGITS)  # n = 2 >= 1
+
+
+NEUTRAL = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, dllm_length_penalty=0.0,
+               dllm_think_end_bias=0.0)

@@ -83,7 +83,7 @@ BAD_PARAMS = [  # (parameters, the name the error must carry); vocabulary size o
     (dict(dllm_length_penalty=-1.0), "dllm_length_penalty"),
     (dict(dllm_think_end_bias=math.inf), "dllm_think_end_bias"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=math.nan), "presence_penalty"),
-    (dict(frequency_penalty=-0.1), "frequency_penalty"),
+    (dict(frequency_penalty=-2.1), "frequency_penalty"),
     (dict(max_new_tokens=2.0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
     (dict(block_size=16), "block_size"), (dict(block_size="32"), "block_size"),
     (dict(seed=-1), "seed"), (dict(seed=1.5), "seed"), (dict(seed="7"), "seed"), (dict(seed=2**64), "seed"),

@@ -21,7 +21,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from clover_export.serve.adapter import TextSplit
+from clover_export.errors import CloverError
+from clover_export.serve.adapter import TextSplit, chars_per_token
 from clover_export.serve.app import ServeOptions, build_app
 
 MODEL_ID = "clover-tiny"
@@ -300,6 +301,10 @@ BAD_REQUESTS = [
     ({**CHAT, "nonsense": 1}, "nonsense", None),
     ({**CHAT, "threshold": 1.5}, "threshold", None),
     ({**CHAT, "temperature": -1}, "temperature", None),
+    ({**CHAT, "temperature": 2.5}, "temperature", None),
+    ({**CHAT, "presence_penalty": 2.5}, "presence_penalty", None),
+    ({**CHAT, "max_tokens": True}, "max_tokens", None),
+    ({**CHAT, "stream": "yes"}, "stream", None),
     ({**CHAT, "top_p": 0}, "top_p", None),
     ({**CHAT, "max_tokens": 0}, "max_tokens", None),
     ({**CHAT, "block_size": 8}, "block_size", None),
@@ -322,7 +327,8 @@ def test_client_mistakes_are_400_with_openai_error_body(server, body, param, cod
 def test_other_errors(server, client):
     check_error(post(server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
                 400, code="invalid_json")
-    check_error(post(server, "/v1/completions", content=b"[1, 2]"), 400, code="invalid_json")
+    check_error(post(server, "/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
+                400, code="invalid_json")
     check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "x" * 70_000}), 413,
                 code="request_too_large")
     check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 4000}), 400,
@@ -391,9 +397,10 @@ def test_a_request_failing_in_the_engine_fails_alone(server, client, reference, 
     request the runtime refuses: both fail with an OpenAI error; the concurrent requests are unaffected."""
     eng = engine(server)
     real = type(eng).deliver
+    story = reference.tokenizer.encode("Tell me a story", add_special_tokens=True)
 
     def faulty(self, job):
-        if job.kwargs.get("prompt") == "Tell me a story":
+        if job.kwargs["prompt_ids"] == story:  # the engine receives the prompt as token ids
             raise RuntimeError("injected fault")
         return real(self, job)
 
@@ -469,6 +476,49 @@ def test_health_is_503_until_loaded_and_stepped():
         gate.set()
         srv.wait_healthy()
         assert srv.app.state.engine.gen.loop.steps >= 1  # the warm-up step ran before 200
+
+
+def test_api_key_guards_metrics_when_asked_and_no_origin_is_allowed_by_default():
+    """--protect-metrics puts /metrics behind the key (/health stays open); with no --allowed-origins a
+    preflight is answered 400 without CORS headers. The engine never loads here: the guards need none."""
+    def no_model():
+        raise CloverError("serve", "no model in this test")
+
+    opts = ServeOptions(max_batch=1, api_key="k-1", protect_metrics=True)
+    opts.load_generator = no_model
+    with ThreadServer(build_app(opts)) as srv:
+        assert httpx.get(srv.url + "/metrics").status_code == 401
+        assert httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer k-1"}).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 503  # open (and says the load failed)
+        check_error(httpx.get(srv.url + "/v1/models"), 401, code="invalid_api_key")
+        r = httpx.options(srv.url + "/v1/completions", headers={"Origin": "https://a.example",
+                                                                 "Access-Control-Request-Method": "POST"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+PIECES = ["a", "b", " ", "  ", "\n", "1", "==", "\u00e9", "\u4e2d", "\U0001f600", "<|im_end|>", "</think>", "\ufb01",
+          "\u0301"]
+
+
+@given(st.data())
+def test_the_cheap_prompt_bound_never_overcounts(tiny_tokenizer, data):
+    """A prompt of C characters is at least C / chars_per_token tokens, so a prompt refused on its length
+    before tokenising could never have fitted. Texts made of the vocabulary's longest entries are the ones
+    that come closest."""
+    vocab = tiny_tokenizer.tok.get_vocab()
+    longest = sorted(vocab, key=len)[-8:]
+    pieces = PIECES + [tiny_tokenizer.decode([vocab[t]]) for t in longest]
+    text = "".join(data.draw(st.lists(st.sampled_from(pieces), max_size=40)))
+    bound = chars_per_token(tiny_tokenizer)
+    assert len(tiny_tokenizer.encode(text, add_special_tokens=True)) * bound >= len(text)
+    assert len(tiny_tokenizer.encode(text)) * bound >= len(text)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_dir):
+    from clover_export.runtime.tokenizer import ChatTokenizer
+
+    return ChatTokenizer(tiny_dir)
 
 
 # --- the streaming text split -----------------------------------------------------------------------------------

@@ -24,9 +24,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args, timeout=240):
+def start_server(*args, timeout=240, env=None):
+    """`clover-export serve *args` on a free port, once /health is 200: (process, url). Output goes to a pipe
+    read at the end (communicate), so keep it short (--log-level warning) for servers that answer many requests."""
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "clover_export.cli", "serve", "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -19,6 +19,7 @@ COLUMNS = (
     "repetition_penalty", "frequency_penalty", "presence_penalty",
     "dllm_length_penalty", "dllm_length_penalty_start", "dllm_length_penalty_window",
     "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window", "enable_thinking",
+    "min_tokens",
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -60,7 +61,8 @@ def apply_controls_(
     think_end_id: int | None,
     thinking_open: torch.Tensor | None = None,  # [B] bool: enable_thinking and no </think> counted yet
 ) -> torch.Tensor:
-    """The five controls of DECODING.md 3, in table order, in place; returns `l`.
+    """The five controls of DECODING.md 3, in table order, in place; returns `l`. Then vLLM's
+    `min_tokens`: end tokens get -inf at response positions n < min_tokens.
 
     The count penalties only change seen tokens, so they run on the gathered
     [B, N, K] columns and are scattered back (the host knows the response
@@ -84,4 +86,7 @@ def apply_controls_(
     if think_end_id is not None and thinking_open is not None:
         bias = p.dllm_think_end_bias[:, None] * ramp(n, p.dllm_think_end_start, p.dllm_think_end_window)
         l[:, :, think_end_id] += bias * thinking_open[:, None].to(l.dtype)
+    early = (n < p.min_tokens[:, None])[:, :, None] & (end_ids >= 0)[:, None, :]  # [B, N, E]
+    blocked = torch.where(early, float("-inf"), 0.0)  # padding adds 0 (to column 0)
+    l.scatter_add_(2, end_ids.clamp(min=0)[:, None, :].expand(B, N, -1), blocked)
     return l

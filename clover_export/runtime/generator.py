@@ -232,7 +232,7 @@ class Generator:
                 f"request needs {need} positions (prompt {len(ids)} + max_new_tokens {settings.max_new_tokens} "
                 f"rounded up to blocks of {self.block_size}), over the context limit of {self.max_context}; "
                 "shorten the prompt or lower max_new_tokens")
-        end_ids = frozenset(settings.eos_token_id) | self.extra_end_ids
+        end_ids = frozenset() if settings.ignore_eos else frozenset(settings.eos_token_id) | self.extra_end_ids
         req = Request(ids, settings.max_new_tokens, end_ids, self.block_size, self.mask_id,
                       self.cfg.block_alignment, params=settings)
         handle = Stream(self, req, TextTracker(self.tokenizer.decode, end_ids, settings.stop))

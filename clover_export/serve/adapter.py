@@ -1,13 +1,17 @@
-"""OpenAI schema <-> runtime: the server's only knowledge of generation (SERVING.md 1, 2).
+"""OpenAI schema <-> runtime: the server's only knowledge of generation (SERVING.md 1, 2, 5).
 
-`submission` turns a request into `Generator.submit` keyword arguments;
-`api_error` turns the runtime's CloverError into an OpenAI error; the
-response builders turn `StreamChunk`/`Result` into OpenAI bodies. Decoding
-itself stays in the runtime.
+`chat_submission` / `completion_submission` turn a validated request into
+runtime parameters and a prompt; `prepare` (run off the engine thread, before
+the request is handed over) renders the chat template, checks the prompt's
+size cheaply, tokenises and checks the context, so the engine receives token
+ids that cannot fail to admit. `api_error` turns the runtime's CloverError
+into an OpenAI error; the response builders turn `StreamChunk`/`Result`
+into OpenAI bodies. Decoding itself stays in the runtime.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
@@ -15,44 +19,45 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clover_export.errors import CloverError
-from clover_export.serve.protocol import ApiError, ChatRequest, CommonParams, CompletionRequest
+from clover_export.serve.protocol import ApiError, ChatRequest, CommonParams, CompletionRequest, refuse, show
 
 THINK_END = "</think>"
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 # runtime parameter name -> the OpenAI name a client sent
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
-_CLOVER_KNOBS = ("threshold", "block_size", "dllm_length_penalty", "dllm_length_penalty_start",
-                 "dllm_length_penalty_window", "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window")
+# how many characters a tokenizer's normalizer may fold into one (NFC/NFKC compose up to 3 code points into
+# one, NFKC maps one 4-byte letter to one ASCII letter): the cheap prompt bound divides by it when one is set
+NORMALIZER_FOLD = 4
+_PASSED = ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+           "ignore_eos", "block_size", "threshold", "dllm_length_penalty", "dllm_length_penalty_start",
+           "dllm_length_penalty_window", "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window")
 
 
 @dataclass
 class Submission:
-    """What the engine submits, and how the answer is shaped."""
+    """A request's runtime parameters and prompt (one of messages, text, ids), and how the answer is shaped."""
 
-    kwargs: dict[str, Any]
+    params: dict[str, Any]  # Generator.submit keyword arguments other than the prompt
     chat: bool
     thinking: bool  # split reasoning_content off (chat with thinking on)
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None  # raw completion prompt
+    ids: list[int] | None = None  # completion prompt as token ids
     stream: bool = False
     include_usage: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
-
-def _refuse(param: str, why: str) -> ApiError:
-    return ApiError(400, f"'{param}' {why}", param=param)
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.chat else "prompt"
 
 
 def _sampling(req: CommonParams) -> dict[str, Any]:
-    if req.n != 1:
-        raise _refuse("n", f"must be 1 (one choice per request), got {req.n}")
-    if req.logprobs:
-        raise _refuse("logprobs", "is not supported")
-    kw: dict[str, Any] = {k: getattr(req, k) for k in
-                          ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                           *_CLOVER_KNOBS)}
+    if req.logit_bias:
+        raise refuse("logit_bias", "is not supported")
+    kw: dict[str, Any] = {k: getattr(req, k) for k in _PASSED}
     if req.temperature is not None:  # OpenAI: 0 is greedy; any other value samples at that temperature
-        if req.temperature < 0:
-            raise _refuse("temperature", f"must be >= 0, got {req.temperature}")
         kw["do_sample"] = req.temperature > 0
         kw["temperature"] = req.temperature if req.temperature > 0 else None
     kw["max_new_tokens"] = req.max_tokens
@@ -61,65 +66,139 @@ def _sampling(req: CommonParams) -> dict[str, Any]:
     return kw
 
 
+def _include_usage(req: CommonParams) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
 def chat_submission(req: ChatRequest, default_thinking: bool) -> Submission:
+    if req.logprobs:
+        raise refuse("logprobs", "is not supported")
     if req.top_logprobs is not None:
-        raise _refuse("top_logprobs", "is not supported")
+        raise refuse("top_logprobs", "is not supported")
     if req.response_format and req.response_format.get("type", "text") != "text":
-        raise _refuse("response_format", "must be {\"type\": \"text\"}")
-    if req.tools or req.tool_choice not in (None, "none") or req.parallel_tool_calls:
-        param = "tools" if req.tools else "tool_choice" if req.tool_choice not in (None, "none") else "parallel_tool_calls"
-        raise _refuse(param, "is not supported (no tool calling)")
+        raise refuse("response_format", "must be {\"type\": \"text\"}")
+    if req.tools:
+        raise refuse("tools", "is not supported (no tool calling)")
+    if req.tool_choice not in (None, "none"):
+        raise refuse("tool_choice", "is not supported (no tool calling)")
     kw = _sampling(req)
     if req.max_completion_tokens is not None:
         kw["max_new_tokens"] = req.max_completion_tokens
     thinking = default_thinking
     if req.chat_template_kwargs and req.chat_template_kwargs.enable_thinking is not None:
         thinking = kw["enable_thinking"] = req.chat_template_kwargs.enable_thinking
-    kw["messages"] = [_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
-    return Submission(_drop_none(kw), chat=True, thinking=thinking, stream=req.stream,
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+    messages = [_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
+    return Submission(_drop_none(kw), chat=True, thinking=thinking, messages=messages, stream=bool(req.stream),
+                      include_usage=_include_usage(req))
 
 
 def _message(m: dict[str, Any], i: int) -> dict[str, Any]:
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
-            raise _refuse(f"messages[{i}].content", "may only hold text parts")
+            raise refuse(f"messages[{i}].content", "may only hold text parts ({\"type\": \"text\", \"text\": ...})")
         m["content"] = "".join(p["text"] for p in content)
     m.setdefault("content", "")
     return m
 
 
 def completion_submission(req: CompletionRequest) -> Submission:
-    if req.echo or req.suffix is not None or (req.best_of or 1) != 1:
+    if req.logprobs:
+        raise refuse("logprobs", "is not supported")
+    if req.echo or req.suffix is not None or req.best_of not in (None, 1):
         param = "echo" if req.echo else "suffix" if req.suffix is not None else "best_of"
-        raise _refuse(param, "is not supported")
+        raise refuse(param, "is not supported")
     kw = _sampling(req)
+    sub = Submission(_drop_none(kw), chat=False, thinking=False, stream=bool(req.stream),
+                     include_usage=_include_usage(req))
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        kw["prompt_ids"] = prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        sub.text = prompt
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        sub.ids = prompt
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise refuse("prompt", f"must be one prompt per request, got {len(prompt)}")
     else:
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise _refuse("prompt", f"must be one prompt per request, got {len(prompt)}")
-            prompt = prompt[0]
-        kw["prompt"], kw["raw"] = prompt, True
-    return Submission(_drop_none(kw), chat=False, thinking=False, stream=req.stream,
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        raise refuse("prompt", f"must be a string, a list of one string, or a non-empty list of token ids, "
+                               f"got {show(prompt)}")
+    return sub
 
 
 def _drop_none(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+# --- before the engine: the prompt as token ids ---------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for: the longest vocabulary entry (byte-level and
+    metaspace entries spell at least one character a byte or character they cover), times the
+    normalizer's fold. A prompt of C characters is at least C / this many tokens."""
+    longest = max(map(len, tokenizer.tok.get_vocab(with_added_tokens=True)))
+    return longest * (NORMALIZER_FOLD if tokenizer.tok.normalizer is not None else 1)
+
+
+def prepare(gen, sub: Submission) -> dict[str, Any]:
+    """The engine's `Generator.submit` keyword arguments for `sub`: {"prompt_ids": [...], **parameters}.
+
+    Runs off the engine thread (the tokenizer releases the GIL). Everything the
+    request brings is checked here, so admitting it cannot fail: parameters
+    against the model's defaults and the engine (block_size), the rendered
+    prompt's length against the context before tokenising it, then the token
+    count. A refusal is a 400 naming the field.
+    """
+    try:
+        settings = gen.settings(**sub.params)
+    except CloverError as e:
+        raise api_error(e, sub.chat) from None
+    if sub.ids is None:
+        text = sub.text if sub.text is not None else _render(gen, sub.messages, settings.enable_thinking)
+        limit = gen.max_context * chars_per_token(gen.tokenizer)
+        if len(text) > limit:
+            raise ApiError(400, f"the prompt has {len(text)} characters, more than a context of {gen.max_context} "
+                                f"tokens can hold (at most {limit} characters); shorten it",
+                           param=sub.prompt_field, code="context_length_exceeded")
+    try:  # the runtime's own tokenisation and checks (empty prompt, ids outside the vocabulary)
+        ids = gen.prompt_ids(sub.text, sub.messages, sub.ids, raw=sub.text is not None,
+                             enable_thinking=settings.enable_thinking)
+    except CloverError as e:
+        raise ApiError(400, f"{sub.prompt_field}: {e.message}", param=sub.prompt_field) from None
+    from clover_export.runtime.generator import context_needed  # torch: imported once an engine exists
+
+    need = context_needed(len(ids), settings.max_new_tokens, gen.block_size, gen.cfg.block_alignment)
+    if need > gen.max_context:
+        raise _too_long(gen, sub, len(ids), settings.max_new_tokens, need)
+    return {"prompt_ids": ids, **sub.params}
+
+
+def _render(gen, messages: list[dict[str, Any]], enable_thinking: bool) -> str:
+    """The chat template on the client's messages; any failure is the messages' (400 naming them)."""
+    try:
+        return gen.tokenizer.render(messages, enable_thinking)
+    except CloverError as e:
+        raise refuse("messages", f"cannot be rendered by the chat template: {e.message}") from None
+    except Exception as e:  # noqa: BLE001 - a template meeting values it did not expect (extra fields)
+        raise refuse("messages", f"cannot be rendered by the chat template: {type(e).__name__}: {e}") from None
+
+
+def _too_long(gen, sub: Submission, prompt_tokens: int, max_tokens: int, need: int) -> ApiError:
+    what = f"needs {need} positions (prompt {prompt_tokens} tokens + max_tokens {max_tokens} rounded up to blocks " \
+           f"of {gen.block_size})"
+    return ApiError(400, f"this request {what}, over the model's context of {gen.max_context}; shorten the "
+                         f"{sub.prompt_field} or lower max_tokens", param=sub.prompt_field, code="context_length_exceeded")
+
+
 def api_error(e: CloverError, chat: bool = True) -> ApiError:
-    """A request the runtime refused -> 400 (context_length_exceeded when it cannot fit)."""
-    text = str(e).removeprefix("[generate] ")
+    """A request the runtime refused -> 400 naming the public parameter (context_length_exceeded when it cannot fit)."""
+    text = e.message
+    for inner, public in OPENAI_NAMES.items():
+        text = text.replace(inner, public)
     if "over the context limit" in text:
         return ApiError(400, text, param="messages" if chat else "prompt", code="context_length_exceeded")
     m = re.search(r"parameter(?:\(s\))? '?(\w+)", text)
-    param = OPENAI_NAMES.get(m.group(1), m.group(1)) if m else None
-    return ApiError(400, text, param=param)
+    return ApiError(400, text, param=m.group(1) if m else None)
 
 
 # --- responses ------------------------------------------------------------------
@@ -213,4 +292,6 @@ def chunk(sub: Submission, model: str, reasoning: str = "", content: str = "", f
             "choices": [] if res is not None else choices}
     if res is not None:
         body["usage"], body["clover"] = usage(res), clover_stats(res)
+    elif sub.include_usage:  # OpenAI: every chunk carries usage, null until the usage chunk
+        body["usage"] = None
     return body

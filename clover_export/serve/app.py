@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -19,10 +20,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from clover_export.errors import CloverError
-from clover_export.serve import adapter
+from clover_export.serve import adapter, protocol
 from clover_export.serve.engine import Engine, Event, Full, Job
 from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from clover_export.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -50,6 +53,9 @@ class ServeOptions:
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 600.0
     wait_until_loaded: bool = False  # startup waits for the engine (Ray replicas); else /health says 503 meanwhile
+    api_key: str | None = None  # Bearer key required on /v1/* (SERVING.md 5)
+    protect_metrics: bool = False  # /metrics needs the key too
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
 
     @property
     def model_id(self) -> str:
@@ -86,28 +92,59 @@ def build_app(options: ServeOptions) -> FastAPI:
     app.state.options = options
     _routes(app)
     _error_handlers(app)
+    if options.api_key:
+        app.add_middleware(ApiKeyGuard, key=options.api_key, protect_metrics=options.protect_metrics)
+    # outermost, so preflights and 401s carry CORS headers; no origins: preflights get 400, no CORS headers
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"], max_age=600)
     return app
+
+
+class ApiKeyGuard:
+    """`Authorization: Bearer KEY` on /v1/* (and /metrics when protected), else a 401 OpenAI error body.
+
+    A plain ASGI middleware (streams pass through untouched); the key is
+    compared in constant time. /health stays open for load balancers.
+    """
+
+    def __init__(self, app, key: str, protect_metrics: bool = False):
+        self.app, self.key, self.protect_metrics = app, key.encode(), protect_metrics
+
+    def protects(self, path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        value = next((v for k, v in headers if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.protects(scope["path"]) and not self.authorized(scope["headers"]):
+            given = any(k == b"authorization" for k, _ in scope["headers"])
+            err = ApiError(401, "incorrect API key provided" if given else
+                           "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+            await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = ChatRequest.model_validate(await _json_body(request))
-        eng = request.app.state.engine
-        default_thinking = eng.gen.defaults.enable_thinking if eng.gen is not None else True
-        return await _generate(request, adapter.chat_submission(_check_model(request, body), default_thinking))
+        return await _generate(request, *await _admission(request, chat=True))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = CompletionRequest.model_validate(await _json_body(request))
-        return await _generate(request, adapter.completion_submission(_check_model(request, body)))
+        return await _generate(request, *await _admission(request, chat=False))
 
     @app.get("/v1/models")
     async def models(request: Request):
-        eng, opts = request.app.state.engine, request.app.state.options
-        context = eng.gen.max_context if eng.gen is not None else None
-        return {"object": "list", "data": [{"id": opts.model_id, "object": "model", "created": 0,
-                                            "owned_by": "clover-export", "max_model_len": context}]}
+        return {"object": "list", "data": [_model_card(request)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        _check_model(request, model_id)
+        return _model_card(request)
 
     @app.get("/health")
     async def health(request: Request):
@@ -139,13 +176,6 @@ def _error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, e: ApiError):
         return reply(request, e)
 
-    @app.exception_handler(ValidationError)
-    async def bad_field(request: Request, e: ValidationError):
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        message = f"'{param}': {err['msg']}" if err["type"] != "extra_forbidden" else f"unknown parameter '{param}'"
-        return reply(request, ApiError(400, message, param=param))
-
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         code = "not_found" if e.status_code == 404 else None
@@ -158,7 +188,9 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 # --- one generation request ------------------------------------------------------
-async def _json_body(request: Request) -> dict:
+async def _body_bytes(request: Request) -> bytes:
+    """The body, once its Content-Type says JSON and while it stays under the limit (415, 413)."""
+    protocol.check_content_type(request.headers.get("content-type"))
     limit = request.app.state.options.max_body_bytes
     if int(request.headers.get("content-length") or 0) > limit:
         raise ApiError(413, f"request body over the limit of {limit} bytes", code="request_too_large")
@@ -167,21 +199,43 @@ async def _json_body(request: Request) -> dict:
         body += part
         if len(body) > limit:
             raise ApiError(413, f"request body over the limit of {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+async def _admission(request: Request, chat: bool) -> tuple[adapter.Submission, dict[str, Any]]:
+    """Everything the request brings, checked in a worker thread before the engine sees it (SERVING.md 5):
+    (its submission, the engine's `Generator.submit` kwargs with the prompt as token ids)."""
+    body = await _body_bytes(request)
+    return await run_in_threadpool(_check_request, request, body, chat)
+
+
+def _check_request(request: Request, body: bytes, chat: bool) -> tuple[adapter.Submission, dict[str, Any]]:
+    data = protocol.parse_json(body)
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    return data
+        req = (ChatRequest if chat else CompletionRequest).model_validate(data)
+    except ValidationError as e:
+        raise protocol.validation_error(e, data) from None
+    _check_model(request, req.model)
+    eng = request.app.state.engine
+    if not eng.ready or eng.gen is None:  # nothing to check against yet
+        raise ApiError(503, "the engine failed to load" if eng.load_error else "the engine is loading; retry later",
+                       code="server_busy", headers={"Retry-After": "5"})
+    gen = eng.gen
+    sub = adapter.chat_submission(req, gen.defaults.enable_thinking) if chat else adapter.completion_submission(req)
+    return sub, adapter.prepare(gen, sub)
 
 
-def _check_model(request: Request, body):
+def _check_model(request: Request, model: str | None) -> None:
     model_id = request.app.state.options.model_id
-    if body.model is not None and body.model != model_id:
-        raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{model_id}'",
+    if model is not None and model != model_id:
+        raise ApiError(404, f"the model {protocol.show(model)} does not exist; this server serves '{model_id}'",
                        param="model", code="model_not_found")
-    return body
+
+
+def _model_card(request: Request) -> dict[str, Any]:
+    eng, opts = request.app.state.engine, request.app.state.options
+    context = eng.gen.max_context if eng.gen is not None else None
+    return {"id": opts.model_id, "object": "model", "created": 0, "owned_by": "clover-export", "max_model_len": context}
 
 
 def _failure(e: Exception, chat: bool) -> ApiError:
@@ -208,9 +262,9 @@ async def _next_event(job: Job, request: Request, deadline: float):
             raise ClientGone()
 
 
-async def _generate(request: Request, sub: adapter.Submission):
+async def _generate(request: Request, sub: adapter.Submission, kwargs: dict[str, Any]):
     state, path = request.app.state, request.url.path
-    job = Job(sub.kwargs, asyncio.get_running_loop())
+    job = Job(kwargs, asyncio.get_running_loop())
     try:
         state.engine.submit(job)
     except Full as e:

@@ -30,6 +30,13 @@ from clover_export.errors import CloverError
               help="Run N engine replicas behind Ray Serve (needs the `ray` extra); one GPU each where GPUs exist.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 << 20, show_default=True,
               help="Largest request body; larger ones get 413.")
+@click.option("--api-key", envvar="CLOVER_API_KEY", show_envvar=True, default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise). Prefer the environment "
+                   "variable: a command line is visible to other users.")
+@click.option("--protect-metrics", is_flag=True, help="With --api-key: /metrics needs the key too (/health stays open).")
+@click.option("--allowed-origins", default="",
+              help="Comma-separated browser origins allowed to call the API (CORS), e.g. "
+                   "https://app.example.com; '*' allows any. Default: none.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds before a request is cancelled.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
@@ -39,7 +46,8 @@ from clover_export.errors import CloverError
 @click.option("--device", default=None, help="torch backend device (default: cuda if available, else cpu).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 def serve(model, backend, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
-          request_timeout, drain_timeout, block_size, dtype, device, log_level):
+          request_timeout, drain_timeout, block_size, dtype, device, log_level, api_key, protect_metrics,
+          allowed_origins):
     """Serve MODEL over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
     MODEL is a model folder, an exported artifact (ort), an engine (trt), or
@@ -55,6 +63,8 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
 
     opts = ServeOptions(model=model, backend=backend, dtype=dtype, device=device, block_size=block_size,
                         max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
+                        api_key=api_key or None, protect_metrics=protect_metrics,
+                        allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout)
     if model not in (None, "tiny") and not Path(model).exists():
         raise CloverError("serve", f"{model}: no such file or folder",

@@ -1,23 +1,43 @@
-"""The OpenAI request schema (SERVING.md 1) and its error bodies (SERVING.md 2).
+"""What a request may bring, and how it is refused (SERVING.md 1, 2, 5).
 
-Unknown fields are refused (extra="forbid"), so a misspelt parameter is a
-400 naming it rather than a silent default. Fields the server accepts only
-at their neutral value (`logprobs`, `tools`, ...) are declared so the error
-says why they are refused.
+Everything here is a plain function of the request's bytes and headers, run
+before anything reaches the engine:
+
+- `check_content_type` and `parse_json`: only `application/json`, no
+  NaN/Infinity, nesting bounded by a bracket count before any recursive
+  parse, every string valid Unicode;
+- the request models: strict types (no `true` as 1, no `"yes"` as true),
+  unknown fields refused, `null` wherever OpenAI accepts it, ranges from the
+  one table `RANGES` (OpenAI's for OpenAI's fields, the runtime's for
+  Clover's own), which `ranges_markdown` renders into docs/serving.md;
+- `validation_error`: a pydantic error as a 400 naming the public field
+  (`messages[0].content`), whatever union member pydantic tried.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import math
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
+
+from clover_export import generation
+from clover_export.errors import CloverError
+from clover_export.generation import Range
+
+MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages[i].content[j].text); 32 leaves room for metadata
 
 
 class ApiError(Exception):
     """An HTTP error with an OpenAI error body {"error": {message, type, param, code}}."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-             503: "service_unavailable", 500: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 415: "invalid_request_error", 503: "service_unavailable",
+             500: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -30,66 +50,272 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def refuse(param: str, why: str, code: str | None = None) -> ApiError:
+    """A 400 naming the public field."""
+    return ApiError(400, f"'{param}' {why}", param=param, code=code)
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A client's value, short enough to echo in an error message."""
+    text = json.dumps(value, ensure_ascii=True) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --- the body: JSON only ----------------------------------------------------------------------------------
+def check_content_type(header: str | None) -> None:
+    """415 unless the body is declared `application/json` (UTF-8, the only charset JSON has: RFC 8259 8.1).
+
+    Browsers send `text/plain` and form bodies cross-site without a CORS
+    preflight; refusing them keeps a web page from driving a local server.
+    """
+    media, _, rest = (header or "").partition(";")
+    params = dict(p.strip().lower().partition("=")[::2] for p in rest.split(";") if p.strip())
+    charset = params.get("charset", "utf-8").strip('"')
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        raise ApiError(415, f"Content-Type must be application/json, got {show(header or '(none)')}",
+                       code="unsupported_media_type")
+
+
+_STEP = np.zeros(256, np.int8)  # nesting change of each byte outside strings
+_STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_depth(body: bytes) -> int:
+    """Deepest nesting of arrays and objects, counted outside strings without parsing (a few vectorised
+    passes, however the bytes are arranged). Escaped backslashes, then escaped quotes, are dropped first
+    (left to right, as JSON pairs them), so every quote left opens or closes a string."""
+    b = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    outside = (np.cumsum(b == ord('"'), dtype=np.int32) & 1) == 0
+    return int(np.cumsum(np.where(outside, _STEP[b], 0), dtype=np.int32).max(initial=0))
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:30]} is out of range")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 `invalid_json`: depth past MAX_JSON_DEPTH, NaN/Infinity,
+    numbers that overflow a double, bytes that are not UTF-8, text that is not Unicode."""
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    try:
+        data = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    check_unicode(data)
+    return data
+
+
+def check_unicode(data: Any, path: str = "") -> None:
+    """400 naming the field whose text holds a lone UTF-16 surrogate (`"\\ud800"` escapes decode to one)."""
+    if isinstance(data, str):
+        if _SURROGATE.search(data):
+            raise refuse(path or "body", "is not valid Unicode text (it holds a lone surrogate)")
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            if _SURROGATE.search(key):
+                raise refuse(path or "body", "has a field name that is not valid Unicode text")
+            check_unicode(value, f"{path}.{key}" if path else key)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            check_unicode(value, f"{path}[{i}]")
+
+
+# --- the parameter table ------------------------------------------------------------------------------------
+CLOVER_KNOBS = ("threshold", "dllm_length_penalty", "dllm_length_penalty_start", "dllm_length_penalty_window",
+                "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window")
+# The one table of request ranges (SERVING.md 5): OpenAI's for OpenAI's fields, the runtime's
+# (generation.RANGES, DECODING.md 1.2) for the vLLM extras and Clover's own knobs.
+RANGES: dict[str, Range] = {
+    "max_tokens": Range("int", 1),
+    "max_completion_tokens": Range("int", 1),
+    "n": Range("int", 1, 1),
+    "temperature": Range("real", 0, 2),
+    "top_p": Range("real", 0, 1, low_open=True),
+    "presence_penalty": Range("real", -2, 2),
+    "frequency_penalty": Range("real", -2, 2),
+    "seed": generation.SEED_RANGE,
+    "top_k": generation.RANGES["top_k"],
+    "repetition_penalty": generation.RANGES["repetition_penalty"],
+    "min_tokens": generation.RANGES["min_tokens"],
+    "ignore_eos": generation.RANGES["ignore_eos"],
+    "block_size": Range("int", 1),  # and equal to the engine's (checked against it)
+    **{name: generation.RANGES[name] for name in CLOVER_KNOBS},
+}
+NOTES = {
+    "max_tokens": "default: the model's generation_config.json; with the prompt it must fit the context",
+    "max_completion_tokens": "chat: the same as max_tokens, and wins over it",
+    "n": "one choice per request",
+    "temperature": "0 is greedy",
+    "seed": "sampling only",
+    "top_k": "0 = off",
+    "min_tokens": "no end token before this many tokens (vLLM)",
+    "ignore_eos": "end tokens do not end the response (vLLM)",
+    "block_size": "must equal the engine's",
+}
+
+
+def describe(rng: Range) -> str:
+    """A range in words; a one-value range is its value."""
+    one = rng.kind != "bool" and rng.low == rng.high and not rng.low_open
+    return str(rng.low) if one else rng.describe()
+
+
+def _in_range(name: str):
+    rng = RANGES[name]
+
+    def check(value):
+        if value is not None:
+            try:
+                rng.check(name, value)
+            except CloverError:
+                raise PydanticCustomError("out_of_range", "must be {what}, got {got}",
+                                          {"what": describe(rng), "got": show(value)}) from None
+        return value
+    return check
+
+
+def ranged(name: str):
+    """The field type of table entry `name`: its kind strictly, null, and its range."""
+    kind = {"int": int, "real": float, "bool": bool}[RANGES[name].kind]
+    return Annotated[kind | None, AfterValidator(_in_range(name))]
+
+
+def ranges_markdown() -> str:
+    """RANGES as the markdown table of docs/serving.md (a test keeps the two equal)."""
+    rows = ["| parameter | accepted values | note |", "|---|---|---|"]
+    for name, rng in RANGES.items():
+        rows.append(f"| `{name}` | {describe(rng)}, or null | {NOTES.get(name, '')} |")
+    return "\n".join(rows)
+
+
+# --- the request models -------------------------------------------------------------------------------------
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    model_config = STRICT
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # ignored (vLLM): usage comes once, at the end
 
 
 class ChatTemplateKwargs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     enable_thinking: bool | None = None
 
 
 class CommonParams(BaseModel):
-    """Parameters of both endpoints; None means the model's generation_config.json default."""
+    """Parameters of both endpoints; None (or null) means the model's generation_config.json default."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: ranged("max_tokens") = None
     stop: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stream: bool = False
+    temperature: ranged("temperature") = None
+    top_p: ranged("top_p") = None
+    top_k: ranged("top_k") = None
+    seed: ranged("seed") = None
+    n: ranged("n") = None
+    presence_penalty: ranged("presence_penalty") = None
+    frequency_penalty: ranged("frequency_penalty") = None
+    repetition_penalty: ranged("repetition_penalty") = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # ignored
-    logprobs: Any = None  # refused unless null/false
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+    # accepted and ignored: they change nothing here (docs/serving.md)
+    user: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    # vLLM's extras
+    min_tokens: ranged("min_tokens") = None
+    ignore_eos: ranged("ignore_eos") = None
     # Clover's own knobs (generation-config names, DECODING.md 3)
-    threshold: float | None = None
-    block_size: int | None = None
-    dllm_length_penalty: float | None = None
-    dllm_length_penalty_start: int | None = None
-    dllm_length_penalty_window: int | None = None
-    dllm_think_end_bias: float | None = None
-    dllm_think_end_start: int | None = None
-    dllm_think_end_window: int | None = None
+    block_size: ranged("block_size") = None
+    threshold: ranged("threshold") = None
+    dllm_length_penalty: ranged("dllm_length_penalty") = None
+    dllm_length_penalty_start: ranged("dllm_length_penalty_start") = None
+    dllm_length_penalty_window: ranged("dllm_length_penalty_window") = None
+    dllm_think_end_bias: ranged("dllm_think_end_bias") = None
+    dllm_think_end_start: ranged("dllm_think_end_start") = None
+    dllm_think_end_window: ranged("dllm_think_end_window") = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the chat template as given
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ... reach the chat template as given
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
 
 class ChatRequest(CommonParams):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    max_completion_tokens: ranged("max_completion_tokens") = None
+    logprobs: bool | None = None  # refused when true
+    top_logprobs: int | None = None  # refused unless null
+    response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
+    tools: list[dict[str, Any]] | None = None  # refused unless empty
+    tool_choice: str | dict[str, Any] | None = None  # refused unless "none"
+    parallel_tool_calls: bool | None = None  # ignored (no tools)
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class CompletionRequest(CommonParams):
-    prompt: str | list[str] | list[int]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Any  # a string, a list of one string, or token ids: checked by the adapter, which says which
+    logprobs: int | None = None  # refused unless null or 0
+    echo: bool | None = None  # refused when true
+    best_of: int | None = None  # refused unless 1
+    suffix: str | None = None  # refused unless null
+
+
+IGNORED = ("user", "store", "service_tier", "metadata", "parallel_tool_calls",
+           "stream_options.continuous_usage_stats")
+
+
+# --- pydantic errors, as the client wrote the body -----------------------------------------------------------
+def public_path(loc: tuple, data: Any) -> str:
+    """`messages[0].content` for pydantic's ('messages', 0, 'content', 'str'): the loc walked through the
+    body itself, so union-member tags ('str', 'list[...]') and other schema names drop out."""
+    out, node = "", data
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            out, node = f"{out}.{part}" if out else part, node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            out, node = f"{out}[{part}]", node[part]
+    return out
+
+
+def validation_error(e: ValidationError, data: Any) -> ApiError:
+    """The first error as a 400 naming the public field as the body spells it; a union's alternatives at that
+    field joined into one message ("must be a valid string or a valid list")."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "missing":  # the loc's last part is the absent field itself
+        parent = public_path(first["loc"][:-1], data)
+        path = f"{parent}.{first['loc'][-1]}" if parent else str(first["loc"][-1])
+        return ApiError(400, f"'{path}' is required", param=path)
+    field = public_path(first["loc"], data)
+    if first["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown parameter '{field}'", param=field)
+    # a union reports one error per alternative: the one that got furthest into the field's value names it
+    located = [(path, err) for err in errors
+               if (path := public_path(err["loc"], data)) == field or path.startswith((field + ".", field + "["))]
+    path = max((p for p, _ in located), key=len)
+    here = [err for p, err in located if p == path]
+    reasons = list(dict.fromkeys(err["msg"] for err in here))
+    if here[0]["type"] == "out_of_range":
+        return ApiError(400, f"'{path}' {reasons[0]}", param=path)
+    if all(r.startswith("Input should be ") for r in reasons):
+        kinds = " or ".join(r.removeprefix("Input should be ") for r in reasons)
+        return ApiError(400, f"'{path}' must be {kinds}, got {show(here[0]['input'])}", param=path)
+    return ApiError(400, f"'{path}': {reasons[0]}", param=path)
