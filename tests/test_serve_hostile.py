@@ -146,6 +146,7 @@ HOSTILE = [
     ("prompt-nested-lists", b'{"prompt": [[1, 2], [3]]}', JSON_AUTH, 400, None, "prompt"),
     ("empty-prompt", b'{"prompt": ""}', JSON_AUTH, 400, None, "prompt"),
     ("array-body", b"[1, 2, 3]", JSON_AUTH, 400, "invalid_json", None),
+    ("100000-stop-strings", json.dumps({"prompt": "Hi", "stop": ["ab"] * 100_000}).encode(), JSON_AUTH, 400, None, "stop"),
     ("min_tokens-over-max", b'{"prompt": "Hi", "max_tokens": 4, "min_tokens": 8}', JSON_AUTH, 400, None, "min_tokens"),
     ("huge-model-name", json.dumps({"prompt": "Hi", "model": "m" * 100_000}).encode(), JSON_AUTH, 404,
      "model_not_found", "model"),
@@ -447,5 +448,6 @@ def test_docs_render_the_ranges_table():
     table = doc.split("<!-- ranges: rendered by clover_export.serve.protocol.ranges_markdown() -->\n")[1]
     assert table.split("\n<!-- /ranges -->")[0] == protocol.ranges_markdown()
     assert f"nesting at most {protocol.MAX_JSON_DEPTH} levels" in doc
+    assert f"a list of at most {protocol.MAX_STOP} strings" in doc
     for name in protocol.IGNORED:
         assert f"`{name}`" in doc

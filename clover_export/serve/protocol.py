@@ -30,6 +30,7 @@ from clover_export.errors import CloverError
 from clover_export.generation import Range
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages[i].content[j].text); 32 leaves room for metadata
+MAX_STOP = 16  # stop strings a request may give (OpenAI: 4); the engine searches each one every block
 
 
 class ApiError(Exception):
@@ -221,7 +222,7 @@ class CommonParams(BaseModel):
 
     model: str | None = None
     max_tokens: ranged("max_tokens") = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     temperature: ranged("temperature") = None
     top_p: ranged("top_p") = None
     top_k: ranged("top_k") = None
@@ -315,7 +316,9 @@ def validation_error(e: ValidationError, data: Any) -> ApiError:
     reasons = list(dict.fromkeys(err["msg"] for err in here))
     if here[0]["type"] == "out_of_range":
         return ApiError(400, f"'{path}' {reasons[0]}", param=path)
-    if all(r.startswith("Input should be ") for r in reasons):
-        kinds = " or ".join(r.removeprefix("Input should be ") for r in reasons)
-        return ApiError(400, f"'{path}' must be {kinds}, got {show(here[0]['input'])}", param=path)
-    return ApiError(400, f"'{path}': {reasons[0]}", param=path)
+    # a constraint of the alternative whose type matched ("at most 16 items") says more than the types
+    specific = [r for r in reasons if not r.startswith("Input should be ")]
+    if specific:
+        return ApiError(400, f"'{path}': {specific[0]}", param=path)
+    kinds = " or ".join(r.removeprefix("Input should be ") for r in reasons)
+    return ApiError(400, f"'{path}' must be {kinds}, got {show(here[0]['input'])}", param=path)
