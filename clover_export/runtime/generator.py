@@ -236,8 +236,8 @@ class Generator:
         req = Request(ids, settings.max_new_tokens, end_ids, self.block_size, self.mask_id,
                       self.cfg.block_alignment, params=settings)
         handle = Stream(self, req, TextTracker(self.tokenizer.decode, end_ids, settings.stop))
-        self.handles[req.request_id] = handle
         self.loop.add(req)
+        self.handles[req.request_id] = handle
         return handle
 
     def stream(self, prompt: str | None = None, **kwargs: Any) -> Stream:

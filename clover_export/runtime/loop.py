@@ -15,6 +15,11 @@ their slots are freed, and the loop goes on.
   next `step()`, so their tokens are those of a run without the failing rows.
   When no row fails alone (e.g. out of memory at this batch size), every row
   of the step fails: the loop never retries a failing batch as it was.
+- After a step, a request whose active block is still unresolved after
+  `block_size` denoise steps fails alone (`StepCapExceeded`): every
+  LowConfidence step fills at least one masked position (DECODING.md 2 step
+  6), so such a block never resolves (e.g. non-finite logits or sampling
+  parameters choosing the mask token); the cap keeps it from holding a slot.
 Cost: the snapshot copies the causal rows' GDN states before every step with
 causal rows (the fixed per-sequence cache bytes, `cache_bytes_per_token_and_fixed`),
 and a failed step of B rows costs B single-row retries. A backend left broken
@@ -25,9 +30,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clover_export.runtime.request import Request
+from clover_export.runtime.request import Phase, Request
 from clover_export.runtime.runner import Runner
 from clover_export.runtime.scheduler import Scheduler, StepPlan
+
+
+class StepCapExceeded(RuntimeError):
+    """A block took `block_size` denoise steps without resolving: a fault, never a slow request."""
+
+    def __init__(self, req: Request):
+        super().__init__(f"its block did not resolve within {req.block_size} denoise steps (every step must fill "
+                         "a masked position: non-finite logits or sampling parameters?)")
+
+
+def over_step_cap(req: Request) -> bool:
+    """True when the request's active block is unresolved after `block_size` denoise steps."""
+    return req.phase is Phase.DENOISE and req.block_steps >= req.block_size
 
 
 @dataclass
@@ -85,7 +103,8 @@ class Loop:
             return events + self._isolate(plan, snap, e)
         self.steps += 1
         resolved = self.scheduler.update(plan, blocks, coreset)
-        return events + [BlockEvent(r, r.response[before[id(r)]:], r.finished) for r in resolved]
+        events += [BlockEvent(r, r.response[before[id(r)]:], r.finished) for r in resolved]
+        return events + [self.fail(r, StepCapExceeded(r)) for r in plan.requests if over_step_cap(r)]
 
     def _isolate(self, plan: StepPlan, snap, error: Exception) -> list[BlockEvent]:
         """The step raised `error` and was undone: fail the rows that raise alone (all when none does)."""

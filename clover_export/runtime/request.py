@@ -53,6 +53,7 @@ class Request:
 
     # --- counters (DECODING.md 4 report) ------------------------------------
     denoise_steps: int = 0
+    block_steps: int = 0  # denoise steps of the active block (at most block_size, DECODING.md 2 step 6)
     unfolded_commits: int = 0
     blocks: int = 0
     coreset_sum: float = 0.0  # sum over denoise steps of the mean kept-set size over layers
@@ -83,6 +84,7 @@ class Request:
         tail = self.prompt_ids[len(self.prefill_ids):] if self.blocks == 0 else []
         self.tail = len(tail)
         self.block = list(tail) + [self.mask_id] * (self.block_size - self.tail)
+        self.block_steps = 0
 
     def seen_counts(self) -> Counter:
         """count(token) of DECODING.md 3: the response so far plus the active block's filled response positions."""

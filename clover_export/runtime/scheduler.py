@@ -191,6 +191,7 @@ class Scheduler:
             req.pending_commit = []
             req.block = blocks[r]
             req.denoise_steps += 1
+            req.block_steps += 1
             req.coreset_sum += coreset[r]
             if not req.block_resolved(self.early_stop):
                 continue

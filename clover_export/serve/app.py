@@ -31,7 +31,6 @@ from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from clover_export.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
 log = logging.getLogger("clover_export.serve")
-POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
 
 
 class ClientGone(Exception):
@@ -43,7 +42,7 @@ class ServeOptions:
     """Everything one server process needs; plain data, so Ray can ship it to replicas."""
 
     model: str | None = None
-    backend: str | None = None  # torch / ort / trt; default: ort for an artifact folder, else torch
+    backend: str | None = None  # torch / ort / trt / triton; default: ort for an artifact folder, else torch
     dtype: str = "auto"
     device: str | None = None
     block_size: int | None = None
@@ -69,7 +68,7 @@ class ServeOptions:
 
         backend = self.backend or ("ort" if is_artifact(self.model) else "torch")
         opts: dict[str, Any] = {}
-        if backend == "torch":
+        if backend in ("torch", "triton"):
             opts = dict(dtype=self.dtype, device=self.device, block_size=self.block_size)
         return Generator.load(self.model, backend=backend, max_slots=self.max_batch, **opts)
 
@@ -86,7 +85,7 @@ def build_app(options: ServeOptions) -> FastAPI:
             if state.engine.load_error:
                 raise RuntimeError(f"the engine failed to load: {state.engine.load_error}")
         yield
-        state.engine.stop()
+        await asyncio.to_thread(state.engine.stop)
 
     app = FastAPI(title="clover-export", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.options = options
@@ -149,10 +148,10 @@ def _routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request):
         eng = request.app.state.engine
-        if eng.load_error:
-            return JSONResponse({"status": "failed", "error": eng.load_error}, 503)
+        if eng.load_error or eng.died:  # the process exits non-zero (serve/cli.py)
+            return JSONResponse({"status": "failed", "error": eng.load_error or eng.died}, 503)
         if eng.draining:
-            return JSONResponse({"status": "draining"}, 503)
+            return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": "1"})
         if not eng.ready:
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "5"})
         return {"status": "ok"}
@@ -238,37 +237,60 @@ def _model_card(request: Request) -> dict[str, Any]:
     return {"id": opts.model_id, "object": "model", "created": 0, "owned_by": "clover-export", "max_model_len": context}
 
 
+def _unavailable(e: Full) -> ApiError:
+    """The engine cannot take or finish the request now (busy, loading, shutting down, stopped)."""
+    return ApiError(503, f"{e}", code=e.code, headers={"Retry-After": "1"})
+
+
 def _failure(e: Exception, chat: bool) -> ApiError:
     if isinstance(e, ApiError):
         return e
+    if isinstance(e, Full):
+        return _unavailable(e)
     if isinstance(e, CloverError):
         return adapter.api_error(e, chat)
     return ApiError(500, f"the request failed in the engine: {e}", code="engine_error")
 
 
 async def _next_event(job: Job, request: Request, deadline: float):
-    """The job's next engine event; cancels the job when the client leaves or time is up."""
+    """The job's next engine event; cancels the job when time is up or, through `_watch_client`, the
+    moment the client leaves, so that its row leaves the batch at the next step (SERVING.md 3)."""
     eng = request.app.state.engine
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), POLL_S)
-        except asyncio.TimeoutError:
+    if job.watcher is None:
+        job.watcher = asyncio.create_task(_watch_client(request, job, eng))
+    try:
+        ev = await asyncio.wait_for(job.events.get(), max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        eng.cancel(job)
+        job.watcher.cancel()
+        raise ApiError(408, "the request took longer than the server's request timeout", code="timeout") from None
+    if ev.kind in ("done", "error", "gone"):
+        job.watcher.cancel()
+    if ev.kind == "gone":
+        raise ClientGone()
+    return ev
+
+
+async def _watch_client(request: Request, job: Job, eng: Engine) -> None:
+    """Until the client disconnects (the server also says so once the response is complete); a job
+    still running then is cancelled, and its handler told."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
             pass
-        if time.monotonic() > deadline:
-            eng.cancel(job)
-            raise ApiError(408, "the request took longer than the server's request timeout", code="timeout")
-        if await request.is_disconnected():
-            eng.cancel(job)
-            raise ClientGone()
+    except Exception:  # noqa: BLE001 - a broken connection is a client gone
+        pass
+    if not job.released:
+        eng.cancel(job)
+        job.events.put_nowait(Event("gone"))
 
 
 async def _generate(request: Request, sub: adapter.Submission, kwargs: dict[str, Any]):
     state, path = request.app.state, request.url.path
-    job = Job(kwargs, asyncio.get_running_loop())
+    job = Job(kwargs, asyncio.get_running_loop(), name=("chatcmpl-" if sub.chat else "cmpl-") + sub.id)
     try:
         state.engine.submit(job)
     except Full as e:
-        raise ApiError(503, f"server busy: {e}; retry later", code="server_busy", headers={"Retry-After": "1"})
+        raise _unavailable(e) from None
     deadline = time.monotonic() + state.options.request_timeout_s
     try:
         first = await _next_event(job, request, deadline)
@@ -329,6 +351,8 @@ async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: fl
                 ended = True
                 return
     finally:
+        if job.watcher is not None:
+            job.watcher.cancel()
         if not ended:  # client gone: the row leaves the batch at the next step
             state.engine.cancel(job)
             state.metrics.finished(request.url.path, 499)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import threading
@@ -11,12 +12,14 @@ from pathlib import Path
 import click
 
 from clover_export.errors import CloverError
+from clover_export.serve.engine import shutting_down
 
 
 @click.command()
 @click.argument("model", required=False)
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt"]), default=None,
-              help="Engine: torch (reference model), ort (exported artifact), trt (TensorRT engine). "
+@click.option("--backend", type=click.Choice(["torch", "ort", "trt", "triton"]), default=None,
+              help="Engine: torch (reference model), ort (exported artifact), trt (TensorRT engine), triton "
+                   "(the fast GPU kernels, a model folder). "
                    "Default: ort for an artifact folder (it has manifest.json), torch otherwise.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -40,10 +43,14 @@ from clover_export.errors import CloverError
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds before a request is cancelled.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="On SIGTERM: seconds running requests get to finish before they are cancelled.")
-@click.option("--block-size", type=int, default=None, help="torch backend: build the model with this block size.")
-@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", help="torch backend dtype.")
-@click.option("--device", default=None, help="torch backend device (default: cuda if available, else cpu).")
+              help="On SIGTERM: seconds running requests get to finish (new ones get 503, the port stays open); "
+                   "then they end with a 503 error.")
+@click.option("--block-size", type=int, default=None,
+              help="torch/triton backends: build the model with this block size.")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto",
+              help="torch/triton backends: dtype.")
+@click.option("--device", default=None,
+              help="torch/triton backends: device (default: cuda if available, else cpu).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 def serve(model, backend, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
           request_timeout, drain_timeout, block_size, dtype, device, log_level, api_key, protect_metrics,
@@ -53,7 +60,9 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
     MODEL is a model folder, an exported artifact (ort), an engine (trt), or
     left out for the embedded default. All requests decode in one continuous
     batch; SIGTERM (or Ctrl-C) stops admitting, lets running requests finish
-    for --drain-timeout seconds, and exits 0. Example:
+    for --drain-timeout seconds, ends the rest with a 503, and exits 0. If the
+    engine stops on a fault, /health turns 503 and the command exits 1 (let a
+    supervisor restart it). Example:
 
         clover-export serve --port 8000 &
         curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -70,6 +79,10 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
         raise CloverError("serve", f"{model}: no such file or folder",
                           "pass a model folder, an exported artifact, an engine, or leave MODEL out for the embedded default")
     _check_port(host, port)
+    if backend == "triton":  # the device check needs no model: fail before the server starts
+        from clover_export.runtime.backends.triton_backend import check_target
+
+        check_target(device or ("cuda" if _cuda_available() else "cpu"), dtype)
     if replicas is not None:
         from clover_export.serve.ray_app import run_replicas
 
@@ -88,6 +101,15 @@ def _check_port(host: str, port: int) -> None:
                               "pick another --port, or stop the process using it") from None
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+ENDING_GRACE_S = 5.0  # after the drain: time for the last responses to be written before uvicorn cancels them
+
+
 def _run_uvicorn(opts, host: str, port: int, drain_timeout: float, log_level: str) -> None:
     import uvicorn
 
@@ -96,33 +118,56 @@ def _run_uvicorn(opts, host: str, port: int, drain_timeout: float, log_level: st
     app = build_app(opts)
 
     class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # stop admitting at once; uvicorn then drains the open requests
-            engine = getattr(app.state, "engine", None)
-            if engine is not None:
-                engine.draining = True
-            super().handle_exit(sig, frame)
+        """SIGTERM/SIGINT drain the engine first (SERVING.md 5), the port still open; then uvicorn stops."""
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
+        signals = 0
+
+        def handle_exit(self, sig, frame):
+            self.signals += 1
+            engine = getattr(app.state, "engine", None)
+            if engine is None or not engine.ready or engine.died or self.signals > 2:
+                super().handle_exit(sig, frame)  # nothing to drain (or a third signal): uvicorn stops now
+            elif self.signals == 1:
+                threading.Thread(target=self.drain, args=(engine,), name="clover-drain", daemon=True).start()
+            else:  # a second signal: skip the rest of the drain
+                engine.abort(shutting_down())
+
+        def drain(self, engine):
+            engine.shut_down(drain_timeout, ENDING_GRACE_S)
+            self.should_exit = True
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ENDING_GRACE_S,
                             server_header=False)
+    _log_like_uvicorn(log_level)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server = DrainingServer(config)
-    threading.Thread(target=_exit_if_load_fails, args=(app, server), daemon=True).start()
+    threading.Thread(target=_exit_when_engine_fails, args=(app, server), daemon=True).start()
     server.run()
     engine = getattr(app.state, "engine", None)
     if engine is not None and engine.load_error:
         raise CloverError("serve", f"the model could not be loaded: {engine.load_error}")
+    if engine is not None and engine.died:
+        raise CloverError("serve", f"the engine stopped: {engine.died}",
+                          "the server exits 1 so that a supervisor restarts it; the log holds the traceback")
 
 
-def _exit_if_load_fails(app, server) -> None:
-    """A server whose engine cannot load is of no use: stop it (the command then exits 1 saying why)."""
+def _log_like_uvicorn(log_level: str) -> None:
+    """The server's own lines (drain, failed requests, an engine that stops) through uvicorn's handler and level."""
+    serve_log = logging.getLogger("clover_export.serve")
+    serve_log.handlers = list(logging.getLogger("uvicorn").handlers)
+    serve_log.setLevel(log_level.upper())
+    serve_log.propagate = False
+
+
+def _exit_when_engine_fails(app, server) -> None:
+    """A server whose engine cannot load, or stopped, is of no use: stop it (the command then exits 1 saying why)."""
     while getattr(app.state, "engine", None) is None:
         time.sleep(0.1)
     engine = app.state.engine
-    while not engine.ready and engine.load_error is None:
-        time.sleep(0.1)
-    if engine.load_error:
+    engine.stopped.wait()
+    if engine.load_error or engine.died:
         server.should_exit = True
 
 
