@@ -65,8 +65,9 @@ def test_strip_hidden_params_refuses_used_or_odd_parameters():
 
 
 def test_launch_abi_is_inputs_scalars_outputs():
-    assert launch.GDN_ABI.params == tuple(t.name for t in BLOCK_GDN.inputs) + ("T",) + tuple(t.name for t in BLOCK_GDN.outputs)
-    assert launch.ATTENTION_ABI.params == (tuple(t.name for t in BLOCK_ATTENTION.inputs) + ("T", "L")
+    assert launch.GDN_ABI.params == (tuple(t.name for t in BLOCK_GDN.inputs) + ("T", "S")
+                                     + tuple(t.name for t in BLOCK_GDN.outputs))
+    assert launch.ATTENTION_ABI.params == (tuple(t.name for t in BLOCK_ATTENTION.inputs) + ("T", "L", "S")
                                            + tuple(t.name for t in BLOCK_ATTENTION.outputs))
     assert launch.GDN_ABI.aliases == {"conv_pool_out": "conv_pool", "rec_pool_out": "rec_pool"}
 
@@ -301,3 +302,26 @@ def test_shared_expert_joins_the_grouped_gemms_where_it_can():
     for what, shared in bad.items():
         with pytest.raises(ValueError, match="shared expert"):
             ops.moe_experts(x, idx, w, gu, dn, shared=shared)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 90])  # mma.sync and wgmma tiles (the others follow the same steps)
+def test_tensorrt_kernels_fit_the_default_shared_memory(arch):
+    """Without the user's opt-in every kernel TensorRT launches from PTX needs at most 48 KiB of shared memory per
+    block (TensorRT's AOT launch is not known to opt kernels into more, docs/tensorrt.md). At Clover-35B-A3B sizes
+    the default tiles of GDN, attention and the expert GEMMs need more on sm_90 (72, 192 and 108 KiB), so
+    aot.fit_shared_memory shrinks them; the kernel and its launch ABI stay the same."""
+    from clover_export.plugins.trt.plan import aot_shared_budget
+
+    budget = aot_shared_budget(arch, {})
+    assert budget == 48 * 1024
+    shrunk = []
+    for v in aot.trt_variants(REAL, arch):
+        fitted, c = aot.fit_shared_memory(v, arch, budget)
+        _check(c, fitted, arch)
+        assert c.shared <= budget and (fitted.kernel, fitted.signature) == (v.kernel, v.signature), v.key
+        if fitted != v:
+            shrunk.append(v.key)
+    if arch == 90:
+        assert {"BlockGDN.bf16.pbf16", "BlockAttention.bf16", "BlockAttentionSplit.bf16", "MoEGateUp.bf16",
+                "MoEDown.bf16", "MoEGateUpFP8.bf16.fp8"} <= set(shrunk), shrunk

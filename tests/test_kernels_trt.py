@@ -78,11 +78,11 @@ def test_autotune_combinations():
 def test_aot_plans():
     d = plan.io_dtypes(BLOCK_GDN, "bfloat16")
     p = plan.aot_plan("BlockGDN", GDN_SHAPES, GDN_ATTRS, d, 90)
-    assert p.grid == (2, 16, 1) and p.scalars == (("mixed_qkv", 1),)
+    assert p.grid == (2, 16, 1) and p.scalars == (("mixed_qkv", 1), ("conv_pool", 0))
     assert p.variant.key == "BlockGDN.bf16.pbf16" and list(p.variant.signature)[:2] == ["mixed_qkv", "a"]
     p = plan.aot_plan("BlockAttention", ATT_SHAPES, ATT_ATTRS, plan.io_dtypes(BLOCK_ATTENTION, "bfloat16"), 90)
     assert p.grid == (64 * 8 // p.variant.constexprs["BLOCK_M"], 4, 1)
-    assert p.scalars == (("q", 1), ("key_pool", 2)) and p.variant.constexprs["SCALE"] == 0.0625
+    assert p.scalars == (("q", 1), ("key_pool", 2), ("key_pool", 0)) and p.variant.constexprs["SCALE"] == 0.0625
     for op in (CORESET_MOE.name, CORESET_MOE_FP8.name):  # not TensorRT plugins: split by trt_graph.py
         with pytest.raises(ValueError, match="not a TensorRT plugin op"):
             plan.aot_plan(op, {}, {}, {}, 90)
@@ -241,14 +241,14 @@ def test_split_attention_plans_share_one_split_count():
     # rows: max(B T, cdiv(2 x 132 SMs x BLOCK_M 64, 16 heads)) = 1056 >= 4 splits x 1 x 32
     assert decls[0].shape == (1056, 16, 256) and decls[1].shape == (1056, 16, 2) and decls[2].shape == (1,)
     assert decls[2].dtype == "int32" and (decls[3].alias_of, decls[4].alias_of) == ("key_pool", "value_pool")
-    assert list(p1.variant.signature) == [t.name for t in BLOCK_ATTENTION_SPLIT.inputs] + ["T", "L"] + [
+    assert list(p1.variant.signature) == [t.name for t in BLOCK_ATTENTION_SPLIT.inputs] + ["T", "L", "S"] + [
         t.name for t in BLOCK_ATTENTION_SPLIT.outputs]
     with pytest.raises(ValueError, match="SM count"):
         plan.output_decls(BLOCK_ATTENTION_SPLIT, one, attrs)
     m = plan.aot_plan("BlockAttentionMerge", {"acc": decls[0].shape, "ml": decls[1].shape, "splits": (1,),
                                               "q": one["q"]}, {}, plan.io_dtypes(BLOCK_ATTENTION_MERGE, "bfloat16"), 90)
-    assert m.scalars == (("q", 1),) and m.grid == (32 * 16 // launch.ATTENTION_MERGE_BLOCK_R, 1, 1)
-    assert list(m.variant.signature) == ["acc", "ml", "splits", "q", "T", "o"]
+    assert m.scalars == (("q", 1), ("acc", 0)) and m.grid == (32 * 16 // launch.ATTENTION_MERGE_BLOCK_R, 1, 1)
+    assert list(m.variant.signature) == ["acc", "ml", "splits", "q", "T", "ROWS", "o"]
     # symbolic B and T (TensorRT): the same expression object sizes the partials and the grid
     ops = launch.ShapeOps(cdiv=strict_cdiv, min=lambda a, b: _strict("min", a, b), max=lambda a, b: _strict("max", a, b))
     sym = {n: (Expr("B"), Expr("T"), *s[2:]) if n in ("q", "k", "v") else s for n, s in ATT_SHAPES.items()}
@@ -264,10 +264,28 @@ def test_split_attention_declares_dtypes_from_placeholder_dims():
     from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT
 
     fake = {n: tuple(Expr(f"{n}{i}") for i in range(len(s))) for n, s in ATT_SHAPES.items()}
-    decls = plan.output_decls(BLOCK_ATTENTION_SPLIT, fake, dict(ATT_ATTRS, max_splits=4), num_sms=132)
+    decls = plan.output_decls(BLOCK_ATTENTION_SPLIT, fake, dict(ATT_ATTRS, max_splits=4), num_sms=132,
+                              dtype_pass=True)
     assert [(d.name, d.dtype, d.alias_of) for d in decls] == [
         ("acc", "float32", None), ("ml", "float32", None), ("splits", "int32", None),
         ("key_pool_out", None, "key_pool"), ("value_pool_out", None, "value_pool")]
+
+
+@pytest.mark.parametrize("loose", [("q", 2), ("q", 3), ("k", 2)])
+def test_split_attention_shape_pass_refuses_symbolic_heads(loose):
+    """Outside the dtype pass the partials' rows are computed from q's heads and head size and k's heads: a
+    symbolic one there is an error naming it, never a silent placeholder of B rows (the partials would be too
+    small for what the split kernel writes)."""
+    from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT
+
+    name, dim = loose
+    shapes = dict(ATT_SHAPES, **{name: tuple(Expr("H") if i == dim else d for i, d in enumerate(ATT_SHAPES[name]))})
+    ops = launch.ShapeOps(cdiv=strict_cdiv, min=lambda a, b: _strict("min", a, b), max=lambda a, b: _strict("max", a, b))
+    with pytest.raises(ValueError, match=f"{name} dim {dim} .*build-time constants"):
+        plan.output_decls(BLOCK_ATTENTION_SPLIT, shapes, dict(ATT_ATTRS, max_splits=4), num_sms=132, shape_ops=ops)
+    # the same shapes in the dtype pass: declared (placeholder rows, never read)
+    assert plan.output_decls(BLOCK_ATTENTION_SPLIT, shapes, dict(ATT_ATTRS, max_splits=4), num_sms=132,
+                             shape_ops=ops, dtype_pass=True)[0].dtype == "float32"
 
 
 def test_partial_rows_bound_what_the_splits_write_and_grow_with_b_and_t():
@@ -301,3 +319,101 @@ def _strict(name, a, b):
 def test_trt_split_attention_needs_long_pools():
     assert launch.attention_split_cap(1024) == launch.attention_split_cap(2047) == 1
     assert launch.attention_split_cap(4096) == 4 and launch.attention_split_cap(131072) == 32
+
+
+# ---------------------------------------------------------------- shared memory of the AOT kernels (docs/tensorrt.md)
+def test_aot_shared_budget_is_48_kib_unless_the_user_opts_in():
+    env = plan.LARGE_SHARED_MEMORY_ENV
+    assert plan.aot_shared_budget(90, {}) == plan.aot_shared_budget(80, {env: "0"}) == 48 * 1024
+    assert plan.aot_shared_budget(90, {env: "1"}) == 227 * 1024 and plan.aot_shared_budget(89, {env: "yes"}) == 99 * 1024
+    assert plan.aot_shared_budget(86, {env: "true"}) == 99 * 1024  # A10/A40: sm_89's shared memory, not sm_80's
+    with pytest.raises(ValueError, match=f"{env}='maybe'"):
+        plan.aot_shared_budget(90, {env: "maybe"})
+    assert "at most 48 KiB" in plan.shared_memory_note(90, {}) and env in plan.shared_memory_note(None, {})
+    assert "up to 227 KiB" in plan.shared_memory_note(90, {env: "1"})
+
+
+def _tiles(c, o):
+    return {k: c[k] for k in ("BV", "CC", "BLOCK_N", "BLOCK_M", "BLOCK_K") if k in c}, o["num_stages"], o["num_warps"]
+
+
+@pytest.mark.parametrize("kernel, consts, options, first", [
+    ("block_gdn_kernel", dict(BV=64, CC=32, LOG2_CC=5), dict(num_warps=8, num_stages=1), dict(BV=32, CC=32)),
+    ("block_attention_kernel", dict(BLOCK_M=64, BLOCK_N=64), dict(num_warps=8, num_stages=2), None),
+    ("block_attention_split_kernel", dict(BLOCK_M=64, BLOCK_N=64), dict(num_warps=8, num_stages=1),
+     dict(BLOCK_M=64, BLOCK_N=32)),
+    ("moe_gate_up_plain_kernel", dict(BLOCK_N=64, BLOCK_K=128), dict(num_warps=4, num_stages=4), None),
+    ("moe_down_kernel", dict(BLOCK_N=64, BLOCK_K=128), dict(num_warps=4, num_stages=1), dict(BLOCK_N=64, BLOCK_K=64)),
+])
+def test_smaller_tiles_step_down_to_the_dot_minimum(kernel, consts, options, first):
+    """Each step drops a pipelining stage, else halves one tile (never below 16, tl.dot's minimum); the chain
+    ends (None) at stage 1 with every tile at 16; the chunk's log2 follows the chunk."""
+    steps, c, o = [], consts, options
+    while (nxt := launch.smaller_tiles(kernel, c, o)) is not None:
+        before = _tiles(c, o)
+        c, o = nxt
+        after = _tiles(c, o)
+        assert after != before and all(v >= 16 for v in after[0].values()) and after[1] >= 1, (before, after)
+        assert after[1] < before[1] or sum(after[0].values()) < sum(before[0].values())
+        steps.append(after)
+        assert len(steps) < 20
+    assert all(v == 16 for v in _tiles(c, o)[0].values()) and o["num_stages"] == 1
+    if "CC" in c:
+        assert 2 ** c["LOG2_CC"] == c["CC"]
+    if "BLOCK_M" in c:
+        assert o["num_warps"] <= 4  # a 16-row query tile on 8 warps would idle half of them
+    if first is not None:
+        assert steps[0][0] == first
+    assert launch.smaller_tiles("moe_combine_kernel", dict(D=32), dict(num_warps=4, num_stages=1)) is None
+
+
+def test_aot_plan_grid_follows_the_fitted_variant():
+    """TensorRT's shared-memory fit may shrink the query tile: the grid must be computed from what is launched
+    (each query tile one program), and the scalars and pointer list stay the ABI's."""
+    import dataclasses
+
+    def halve_m(v):
+        return dataclasses.replace(v, constexprs=dict(v.constexprs, BLOCK_M=v.constexprs["BLOCK_M"] // 2))
+
+    d = plan.io_dtypes(BLOCK_ATTENTION, "bfloat16")
+    full = plan.aot_plan("BlockAttention", ATT_SHAPES, ATT_ATTRS, d, 90)
+    small = plan.aot_plan("BlockAttention", ATT_SHAPES, ATT_ATTRS, d, 90, fit=halve_m)
+    assert small.variant.constexprs["BLOCK_M"] * 2 == full.variant.constexprs["BLOCK_M"]
+    assert small.grid == (full.grid[0] * 2, *full.grid[1:]) and small.scalars == full.scalars
+    gu = plan.aot_plan("MoEGateUp", *_moe_args("MoEGateUp"), plan.io_dtypes(MOE_SUBOPS["MoEGateUp"], "bfloat16"), 90,
+                       fit=lambda v: dataclasses.replace(v, constexprs=dict(v.constexprs, BLOCK_N=16)))
+    assert gu.grid == (256, 512 // 16, 1)
+
+
+# ---------------------------------------------------------------- BuilderFlag.FP8 (docs/tensorrt.md)
+def test_fp8_builder_flag():
+    """TensorRT 10.x strongly typed networks (ours: profiles.BuildSettings.network_flags) leave the flag unset,
+    as trtexec does; a weakly typed 10.x network with FP8 plugins sets it; 11.x has no such flag; the user can
+    force it on 10.x."""
+    from clover_export.engines.tensorrt_build import FP8_FLAG_ENV, fp8_builder_flag
+
+    assert fp8_builder_flag("10.9.0", True, True, {})[0] is False and fp8_builder_flag("10.16", True, True, {})[0] is False
+    assert "STRONGLY_TYPED" in fp8_builder_flag("10.12.0", True, True, {})[1]
+    assert fp8_builder_flag("10.9.0", True, False, {})[0] is True
+    assert fp8_builder_flag("10.9.0", True, True, {FP8_FLAG_ENV: "1"}) == (True, f"BuilderFlag.FP8 set ({FP8_FLAG_ENV}=1)")
+    assert fp8_builder_flag("10.9.0", False, True, {FP8_FLAG_ENV: "1"})[0] is False  # no FP8 plugin: nothing to enable
+    for forced in ("0", "1"):
+        assert fp8_builder_flag("11.1", True, True, {FP8_FLAG_ENV: forced})[0] is False
+    with pytest.raises(ValueError, match=FP8_FLAG_ENV):
+        fp8_builder_flag("10.9", True, True, {FP8_FLAG_ENV: "fp8"})
+
+
+def test_doctor_reports_the_build_choices(monkeypatch):
+    from clover_export.engines.doctor import Facts, report
+    from clover_export.engines.tensorrt_build import FP8_FLAG_ENV
+
+    monkeypatch.delenv(FP8_FLAG_ENV, raising=False)
+    monkeypatch.delenv(plan.LARGE_SHARED_MEMORY_ENV, raising=False)
+
+    h200 = [{"name": "H200", "sm": (9, 0), "memory": 141 * 1024**3}]
+    text = "\n".join(report(Facts(torch="2.13", tensorrt="10.9", gpus=h200)))
+    assert "BuilderFlag.FP8 not set" in text and "at most 48 KiB" in text
+    text = "\n".join(report(Facts(torch="2.13", tensorrt="11.1", gpus=h200)))
+    assert "none in TensorRT 11" in text
+    text = "\n".join(report(Facts(torch="2.13")))  # no TensorRT here: what 10.x would get
+    assert "fp8 engines (TensorRT 10.x): BuilderFlag.FP8 not set" in text

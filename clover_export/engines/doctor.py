@@ -104,4 +104,15 @@ def report(f: Facts) -> list[str]:
     lines.append("works here:")
     for what, ok, why in capabilities(f):
         lines.append(f"  [{'yes' if ok else 'no '}] {what}: {why}")
+    lines.append("TensorRT engine builds (docs/tensorrt.md):")
+    lines += [f"  {line}" for line in engine_build_notes(f)]
     return lines
+
+
+def engine_build_notes(f: Facts, environ=None) -> list[str]:
+    """The FP8-flag and shared-memory choices a build would make with this machine's TensorRT and GPU."""
+    from clover_export.engines.tensorrt_build import build_notes
+
+    gpu = f.gpus[0] if f.gpus else None
+    usable = f.tensorrt if tensorrt_problem(f) is None else None
+    return build_notes(usable, gpu["sm"][0] * 10 + gpu["sm"][1] if gpu else None, environ)

@@ -9,6 +9,7 @@ project's machines (no TensorRT there) and says so plainly.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from clover_export.atomic import atomic_write
 from clover_export.engines.profiles import BuildSettings
@@ -142,12 +143,69 @@ def registration_problems(needed: set[str], available: bool, registered: tuple[s
             if f"{NAMESPACE}::{op}" not in registered]
 
 
-def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], settings: BuildSettings) -> dict:
+FP8_FLAG_ENV = "CLOVER_TRT_FP8_FLAG"
+
+
+def fp8_builder_flag(trt_version: str, fp8_plugins: bool, strongly_typed: bool, environ=None) -> tuple[bool, str]:
+    """(set BuilderFlag.FP8?, one line saying why) for a graph with or without FP8 plugins (MoEGateUpFP8 /
+    MoEDownFP8 take e4m3 initialisers). docs/tensorrt.md, "BuilderFlag.FP8"."""
+    from clover_export.engines.trt_versions import parse_version
+    from clover_export.plugins.trt.plan import env_flag
+
+    forced = env_flag(FP8_FLAG_ENV, environ)
+    if parse_version(trt_version)[0] >= 11:
+        return False, "BuilderFlag.FP8: none in TensorRT 11 (strongly typed only: the graph's types decide)"
+    if not fp8_plugins:
+        return False, "BuilderFlag.FP8 not set: no FP8 plugin in the graph"
+    if forced:
+        return True, f"BuilderFlag.FP8 set ({FP8_FLAG_ENV}=1)"
+    if not strongly_typed:  # weak typing: TensorRT offers plugins FP8 formats only with the flag (NvInfer.h 10.9)
+        return True, "BuilderFlag.FP8 set: weakly typed network with FP8 plugins"
+    return False, ("BuilderFlag.FP8 not set: the network is STRONGLY_TYPED, so the graph types the FP8 plugins' e4m3 "
+                   "inputs (the flag is weak typing: trtexec 10.9-10.16 drops kFP8 under --stronglyTyped, 10.12 "
+                   f"deprecates it as superseded by strong typing); {FP8_FLAG_ENV}=1 sets it")
+
+
+def build_notes(trt_version: str | None, arch: int | None, environ=None) -> list[str]:
+    """What the engine build decides for FP8 plugins and the AOT kernels' shared memory, one line each
+    (`doctor`; the build logs the same lines for its own graph). Without TensorRT: what 10.x would get."""
+    from clover_export.engines.profiles import BuildSettings
+    from clover_export.engines.trt_versions import parse_version
+    from clover_export.plugins.trt.plan import shared_memory_note
+
+    lines = []
+    version = trt_version or "10.9"
+    try:
+        strong = "STRONGLY_TYPED" in BuildSettings.network_flags(parse_version(version)[0])
+        why = fp8_builder_flag(version, True, strong, environ)[1]
+        lines.append(f"fp8 engines{'' if trt_version else ' (TensorRT 10.x)'}: {why}")
+    except ValueError as e:
+        lines.append(f"fp8 engines: {e}")
+    try:
+        lines.append(shared_memory_note(arch, environ))
+    except ValueError as e:
+        lines.append(f"AOT plugin kernels: {e}")
+    return lines
+
+
+def _build_arch() -> int | None:
+    try:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+    except Exception:  # no usable CUDA here: the notes then name no architecture
+        return None
+    return major * 10 + minor
+
+
+def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], settings: BuildSettings,
+                 log: Callable[[str], None] = print) -> dict:
     """Parse `model.trt.onnx` (plugins registered and checked), build one strongly typed engine, write the plan
-    atomically. Every plugin is AOT: the plan runs without Python."""
+    atomically. Every plugin is AOT: the plan runs without Python. Logs the FP8-flag and shared-memory choices."""
     import onnx
 
     from clover_export.exporter.trt_graph import plugin_nodes
+    from clover_export.plugins.trt.plan import aot_shared_budget, shared_memory_note
 
     trt = import_tensorrt()
     from clover_export.plugins import trt as clover_trt_plugins  # registers clover:: plugins
@@ -160,6 +218,16 @@ def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], set
     if problems:
         raise CloverError("tensorrt", "; ".join(problems), "nothing was built")
     major = int(trt.__version__.split(".")[0])
+    arch = _build_arch()
+    try:
+        set_fp8, fp8_why = fp8_builder_flag(trt.__version__, any(op.endswith("FP8") for op in expected),
+                                            "STRONGLY_TYPED" in settings.network_flags(major))
+        budget = aot_shared_budget(arch or 0)
+        notes = [fp8_why, shared_memory_note(arch)]
+    except ValueError as e:
+        raise CloverError("tensorrt", str(e), "nothing was built") from None
+    for line in notes:
+        log(f"[engine] {line}")
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 0
@@ -177,7 +245,7 @@ def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], set
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_bytes)
     config.builder_optimization_level = settings.builder_optimization_level
-    for name in settings.flags(major):
+    for name in settings.flags(major) + ["FP8"] * set_fp8:
         config.set_flag(getattr(trt.BuilderFlag, name))
     for name in settings.preview_features():  # required: the cache-pool outputs alias their inputs
         feature = getattr(trt.PreviewFeature, name, None)
@@ -206,7 +274,8 @@ def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], set
         atomic_write(Path(settings.timing_cache), memoryview(cache.serialize()))
     return {"tensorrt": trt.__version__, "plan": plan_path.name, "bytes": plan_path.stat().st_size,
             "graph": Path(trt_onnx_path).name, "plugin_layers": sum(expected.values()),
-            "profiles": [p["name"] for p in profiles], "stripped": settings.strip_weights}
+            "profiles": [p["name"] for p in profiles], "stripped": settings.strip_weights,
+            "fp8_builder_flag": set_fp8, "aot_shared_memory_bytes": budget}
 
 
 def load_engine(plan_path: Path, onnx_path: Path | None = None, stripped: bool = False):

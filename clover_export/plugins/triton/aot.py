@@ -135,6 +135,28 @@ def compile_variant(v: Variant, arch: int, fp_fusion: bool = launch.FP_FUSION) -
     return CompiledPTX(v.key, arch, name, ptx, params, hidden, int(md.shared), int(md.num_warps))
 
 
+def fit_shared_memory(v: Variant, arch: int, budget: int | None) -> tuple[Variant, CompiledPTX]:
+    """`v`, or the first of its smaller configurations (`launch.smaller_tiles`) whose PTX needs at most `budget`
+    bytes of shared memory per block (None: any), with that PTX. Raises ValueError when even the smallest needs
+    more. Same kernel and launch ABI: only constexprs and launch options change (and the grid with them)."""
+    key = json.dumps([v.key, v.kernel, v.constexprs, v.options, arch, budget], sort_keys=True, default=str)
+    if key in _FITTED:
+        return _FITTED[key]
+    while True:
+        c = compile_variant(v, arch)
+        if budget is None or c.shared <= budget:
+            _FITTED[key] = v, c
+            return v, c
+        smaller = launch.smaller_tiles(v.kernel, v.constexprs, v.options)
+        if smaller is None:
+            raise ValueError(f"{v.key} sm_{arch}: {c.shared} bytes of shared memory per block at its smallest tiles, "
+                             f"over the {budget} allowed (docs/tensorrt.md, shared memory)")
+        v = Variant(v.key, v.module, v.kernel, v.signature, smaller[0], smaller[1], v.grid)
+
+
+_FITTED: dict[str, tuple[Variant, CompiledPTX]] = {}  # per process: TensorRT asks once per layer and tactic
+
+
 # ------------------------------------------------------------------ variants
 def _dt(name: str) -> str:
     return launch.TRITON_TYPES[name]
@@ -260,10 +282,10 @@ def moe_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: in
                 launch.MOE_ROUTE_LAUNCH, "(B, 1 + cdiv(T - N, BT), 1)"),
         Variant(f"CoresetMoE.gate_up.{tag}", "moe", "moe_gate_up_kernel",
                 {"x": f"*{a}", "gate_up": f"*{w}", "gate_up_scale": "*fp32", "offsets": "*i32", "order": "*i32",
-                 "h": f"*{a}"}, gu, opts, "(E, cdiv(I, BLOCK_N), 1)"),
+                 **_PAIR_SCALARS, "h": f"*{a}"}, gu, opts, "(E, cdiv(I, BLOCK_N), 1)"),
         Variant(f"CoresetMoE.down.{tag}", "moe", "moe_down_kernel",
                 {"h": f"*{a}", "down": f"*{w}", "down_scale": "*fp32", "w": f"*{a}", "offsets": "*i32",
-                 "order": "*i32", "y": f"*{a}"}, dn, opts, "(E, cdiv(D, BLOCK_N), 1)"),
+                 "order": "*i32", **_PAIR_SCALARS, "y": f"*{a}"}, dn, opts, "(E, cdiv(D, BLOCK_N), 1)"),
         Variant(f"CoresetMoE.combine.{a}", "moe", "moe_combine_kernel",
                 {"y": f"*{a}", "idx": "*i32", "out": f"*{a}"},
                 launch.moe_combine_constexprs(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok),
@@ -277,6 +299,7 @@ def moe_variants(cfg, dtype: str = "bfloat16", fp8: bool = False, block_size: in
     ]
 
 
+_PAIR_SCALARS = {"B": "i32", "T": "i32"}  # the expert GEMMs' bound on the pair indices they read (moe._pair_range)
 _PLACE_SIG = {"idx": "*i32", "P": "i32", "R": "i32", "counts": "*i32", "rank": "*i32", "offsets": "*i32",
               "order": "*i32"}
 
@@ -296,10 +319,10 @@ def moe_shared_variants(cfg, dtype: str = "bfloat16", arch: int = 90, pairs: int
                 launch.moe_place_constexprs(E, shared=True), launch.MOE_SMALL_LAUNCH, "(cdiv(P, BLOCK), 1, 1)"),
         Variant(f"CoresetMoE.gate_up_shared.{a}", "moe", "moe_gate_up_shared_kernel",
                 {"x": f"*{a}", "gate_up": f"*{a}", "shared_gate": f"*{a}", "shared_up": f"*{a}", "offsets": "*i32",
-                 "order": "*i32", "h": f"*{a}"}, gu, opts, "(M tiles, cdiv(I, BLOCK_N), 1)"),
+                 "order": "*i32", **_PAIR_SCALARS, "h": f"*{a}"}, gu, opts, "(M tiles, cdiv(I, BLOCK_N), 1)"),
         Variant(f"CoresetMoE.down_shared.{a}", "moe", "moe_down_shared_kernel",
                 {"h": f"*{a}", "down": f"*{a}", "shared_down": f"*{a}", "w": f"*{a}", "offsets": "*i32",
-                 "order": "*i32", "y": f"*{a}"}, dn, opts, "(M tiles, cdiv(D, BLOCK_N), 1)"),
+                 "order": "*i32", **_PAIR_SCALARS, "y": f"*{a}"}, dn, opts, "(M tiles, cdiv(D, BLOCK_N), 1)"),
         Variant(f"CoresetMoE.combine_shared.{a}", "moe", "moe_combine_kernel",
                 {"y": f"*{a}", "idx": "*i32", "out": f"*{a}"},
                 launch.moe_combine_constexprs(cfg.hidden_size, E, K, shared=True), launch.MOE_SMALL_LAUNCH,
@@ -324,10 +347,11 @@ def moe_a8_variants(cfg, dtype: str = "bfloat16", arch: int = 90, pairs: int = 4
     out += [
         Variant(f"CoresetMoE.gate_up_a8.{a}.fp8", "moe", "moe_gate_up_a8_kernel",
                 {"xq": "*fp8e4nv", "xs": "*fp32", "gate_up": "*fp8e4nv", "gate_up_scale": "*fp32", "offsets": "*i32",
-                 "order": "*i32", "h": f"*{a}"}, gu, opts, "(M tiles, cdiv(I, BLOCK_N), 1)"),
+                 "order": "*i32", **_PAIR_SCALARS, "h": f"*{a}"}, gu, opts, "(M tiles, cdiv(I, BLOCK_N), 1)"),
         Variant(f"CoresetMoE.down_a8.{a}.fp8", "moe", "moe_down_a8_kernel",
                 {"hq": "*fp8e4nv", "hs": "*fp32", "down": "*fp8e4nv", "down_scale": "*fp32", "w": f"*{a}",
-                 "offsets": "*i32", "order": "*i32", "y": f"*{a}"}, dn, opts, "(M tiles, cdiv(D, BLOCK_N), 1)"),
+                 "offsets": "*i32", "order": "*i32", **_PAIR_SCALARS, "y": f"*{a}"}, dn, opts,
+                "(M tiles, cdiv(D, BLOCK_N), 1)"),
     ]
     return out
 

@@ -24,6 +24,14 @@ alone would leave most of the GPU idle (batch 1, long prefix): by the torch
 path, and on TensorRT as two AOT plugins (`clover::BlockAttentionSplit` /
 `BlockAttentionMerge`, the partials a graph tensor; split count from the
 shapes at run time, `launch.attention_splits`).
+
+Garbage-safe (docs/tensorrt.md): TensorRT times every plugin on inputs of
+arbitrary values while it builds. The TensorRT kernels clamp the values they
+address memory with: slot ids to [0, S) (S, the pools' slot count, is a
+scalar from their shape), past_len to [0, L], n_causal to [0, T - N], and the
+merge's split count to the splits its partials hold (ROWS, their first
+dimension): any values give some output, never an access outside the
+tensors. `write_kv_kernel` (the torch path's first launch) trusts its inputs.
 """
 
 from __future__ import annotations
@@ -36,16 +44,23 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _tile_setup(q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, pid_m, pid_bh,
+def _clamp(x, lo, hi):
+    """x limited to [lo, hi]: an index read from an input tensor, kept inside what it indexes."""
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def _tile_setup(q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, S, pid_m, pid_bh,
                 H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     REP: tl.constexpr = H // HKV
     b = pid_bh // HKV
     kvh = pid_bh % HKV
-    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
-    past = tl.load(past_len_ptr + b)
-    nc = tl.load(n_causal_ptr + b)
     Tc = T - N
+    # garbage-safe: the ids are clamped to the pools' slots, positions and the step's causal rows
+    slot = _clamp(tl.load(slot_ids_ptr + b), 0, S - 1).to(tl.int64)
+    past = _clamp(tl.load(past_len_ptr + b), 0, L)
+    nc = _clamp(tl.load(n_causal_ptr + b), 0, Tc)
     mi = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = mi < T * REP
     row = mi // REP
@@ -138,7 +153,7 @@ def _write_causal_kv(k_ptr, v_ptr, ko_ptr, vo_ptr, b, kvh, slot, past, nc, T, L,
 @triton.jit
 def block_attention_kernel(
     q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr,
-    T, L,
+    T, L, S,
     o_ptr, ko_ptr, vo_ptr,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -148,7 +163,7 @@ def block_attention_kernel(
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, kvh, slot, past, nc, Tc, row, head, m_ok, causal, limit, hi, q, q_off, d, d_ok = _tile_setup(
-        q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, pid_m, pid_bh, H, HKV, HD, HDP, N, BLOCK_M)
+        q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, S, pid_m, pid_bh, H, HKV, HD, HDP, N, BLOCK_M)
     acc = tl.zeros([BLOCK_M, HDP], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -168,7 +183,7 @@ def block_attention_kernel(
 @triton.jit
 def block_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr,
-    T, L,
+    T, L, S,
     acc_ptr, ml_ptr, splits_ptr, ko_ptr, vo_ptr,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -184,7 +199,7 @@ def block_attention_split_kernel(
     sp = tl.program_id(2)
     SPLITS = tl.num_programs(2)
     b, kvh, slot, past, nc, Tc, row, head, m_ok, causal, limit, hi, q, q_off, d, d_ok = _tile_setup(
-        q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, pid_m, pid_bh, H, HKV, HD, HDP, N, BLOCK_M)
+        q_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L, S, pid_m, pid_bh, H, HKV, HD, HDP, N, BLOCK_M)
     per = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
     start = sp * per
     stop = tl.minimum(start + per, hi)
@@ -222,13 +237,13 @@ def write_kv_kernel(k_ptr, v_ptr, slot_ids_ptr, past_len_ptr, n_causal_ptr, T, L
 
 
 @triton.jit
-def attention_merge_kernel(acc_ptr, ml_ptr, splits_ptr, q_ptr, T, o_ptr, H: tl.constexpr, HD: tl.constexpr,
+def attention_merge_kernel(acc_ptr, ml_ptr, splits_ptr, q_ptr, T, ROWS, o_ptr, H: tl.constexpr, HD: tl.constexpr,
                            HDP: tl.constexpr, BLOCK_R: tl.constexpr):
     """Grid (cdiv(T * H, BLOCK_R), B): `clover::BlockAttentionMerge`, o from the S = splits_ptr[0] partials the
     split kernel wrote, one pass over them (running maximum, both sums rescaled as it grows). q gives o's dtype
-    and is not read."""
-    S = tl.load(splits_ptr)
+    and is not read. ROWS: the partials' first dimension; S is clamped to the splits they hold (garbage-safe)."""
     R = tl.num_programs(1).to(tl.int64) * T * H
+    S = _clamp(tl.load(splits_ptr).to(tl.int64), 0, ROWS.to(tl.int64) * H // R)
     local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = local < T * H
     r = tl.program_id(1).to(tl.int64) * T * H + local

@@ -30,12 +30,25 @@ Inside the body, for one v-head and dv tile:
 
 The conv state is written last, after a barrier, once every read of it in
 the program is done.
+
+Garbage-safe (docs/tensorrt.md): TensorRT times every plugin on inputs of
+arbitrary values while it builds, so `block_gdn_kernel` clamps the values it
+addresses memory with, slot ids to [0, S) (S, the pools' slot count, is a
+scalar from their shape) and n_causal to [0, T - N]: any values give some
+output, never an access outside the tensors. The torch path's two kernels
+trust their inputs.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    """x limited to [lo, hi]: an index read from an input tensor, kept inside what it indexes."""
+    return tl.minimum(tl.maximum(x, lo), hi)
 
 
 @triton.jit
@@ -235,8 +248,8 @@ def block_gdn_kernel(
     # inputs (contract order)
     mixed_ptr, a_ptr, b_ptr, conv_w_ptr, conv_wr_ptr, A_log_ptr, dt_bias_ptr, bscale_ptr, bgate_ptr,
     conv_pool_ptr, rec_pool_ptr, slot_ids_ptr, n_causal_ptr,
-    # int32 scalars
-    T,
+    # int32 scalars: step rows, pool slots (bounds of the slot ids and n_causal values)
+    T, S,
     # outputs
     o_ptr, conv_out_ptr, rec_out_ptr,
     # compile-time sizes
@@ -249,8 +262,9 @@ def block_gdn_kernel(
     KM1: tl.constexpr = KCONV - 1
     pid_b = tl.program_id(0)
     kh = tl.program_id(1)
-    slot = tl.load(slot_ids_ptr + pid_b).to(tl.int64)
-    nc = tl.load(n_causal_ptr + pid_b)
+    # any input values stay inside the tensors (TensorRT times plugins on garbage): ids clamped to their ranges
+    slot = _clamp(tl.load(slot_ids_ptr + pid_b), 0, S - 1).to(tl.int64)
+    nc = _clamp(tl.load(n_causal_ptr + pid_b), 0, T - N)
 
     m_base = mixed_ptr + pid_b.to(tl.int64) * T * C
     st_base = conv_pool_ptr + slot * C * KM1

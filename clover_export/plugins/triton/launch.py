@@ -38,6 +38,40 @@ def tile_arch(arch: int) -> int:
     return arch if arch in ARCHS else SAME_SHARED_MEMORY.get(arch, 89)
 
 
+# Dynamic shared memory per block: a kernel launched without cuFuncSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_
+# SHARED_SIZE_BYTES) may use 48 KiB; beyond that only after that opt-in, up to the GPU's per-block maximum
+# (CUDA programming guide, compute capabilities table). Triton's own launcher opts in; whether TensorRT's AOT
+# plugin launch does is not in its public sources (docs/tensorrt.md), so TensorRT's kernels keep to the default.
+DEFAULT_SHARED_BYTES = 48 * 1024
+OPTIN_SHARED_BYTES = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+_MOE_GEMMS = ("moe_gate_up_kernel", "moe_gate_up_plain_kernel", "moe_gate_up_shared_kernel", "moe_gate_up_a8_kernel",
+              "moe_down_kernel", "moe_down_plain_kernel", "moe_down_shared_kernel", "moe_down_a8_kernel")
+
+
+def smaller_tiles(kernel: str, consts: dict, options: dict) -> tuple[dict, dict] | None:
+    """The next configuration of `kernel` to try when its PTX needs more shared memory than allowed
+    (`aot.fit_shared_memory`), or None when there is none: one pipelining stage fewer while there are several
+    (each stage buffers every tile), then the largest of the tiles that size the buffers halved, down to 16
+    (tl.dot's minimum; the first listed on ties): GDN's state columns BV and chunk rows CC, attention's key
+    block BLOCK_N and query block BLOCK_M, the expert GEMMs' BLOCK_K and BLOCK_N. Grids follow the constexprs
+    (plan.aot_plan)."""
+    if options.get("num_stages", 1) > 1:
+        return consts, dict(options, num_stages=options["num_stages"] - 1)
+    tiles = {"block_gdn_kernel": ("BV", "CC"), "block_attention_kernel": ("BLOCK_N", "BLOCK_M"),
+             "block_attention_split_kernel": ("BLOCK_N", "BLOCK_M")}.get(kernel)
+    if tiles is None and kernel in _MOE_GEMMS:
+        tiles = ("BLOCK_K", "BLOCK_N")
+    name = max((t for t in tiles or () if consts[t] > 16), key=lambda t: consts[t], default=None)
+    if name is None:
+        return None
+    c = dict(consts, **{name: consts[name] // 2})
+    if name == "CC":
+        c["LOG2_CC"] = consts["LOG2_CC"] - 1
+    if name == "BLOCK_M" and c[name] <= 32:  # a 32-row query tile keeps 4 warps busy, not 8
+        options = dict(options, num_warps=min(options["num_warps"], 4))
+    return c, options
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -105,12 +139,15 @@ def _abi(contract: OpContract, kernel: str, module: str, scalars) -> KernelABI:
 
 
 GDN_PARAMS = ("conv_w", "conv_w_right", "A_log", "dt_bias", "block_scale", "block_gate")  # weights: model dtype or fp32
-GDN_ABI = _abi(BLOCK_GDN, "block_gdn_kernel", "gdn", [("T", "mixed_qkv", 1)])
+# Scalars also bound the index values the kernels read (TensorRT times plugins on garbage, docs/tensorrt.md): the
+# pools' slot count S, the partials' rows, the pairs' B and T; each comes from a shape the plugin already has.
+GDN_ABI = _abi(BLOCK_GDN, "block_gdn_kernel", "gdn", [("T", "mixed_qkv", 1), ("S", "conv_pool", 0)])
 ATTENTION_ABI = _abi(BLOCK_ATTENTION, "block_attention_kernel", "attention",
-                     [("T", "q", 1), ("L", "key_pool", 2)])
+                     [("T", "q", 1), ("L", "key_pool", 2), ("S", "key_pool", 0)])
 ATTENTION_SPLIT_ABI = _abi(BLOCK_ATTENTION_SPLIT, "block_attention_split_kernel", "attention",
-                           [("T", "q", 1), ("L", "key_pool", 2)])
-ATTENTION_MERGE_ABI = _abi(BLOCK_ATTENTION_MERGE, "attention_merge_kernel", "attention", [("T", "q", 1)])
+                           [("T", "q", 1), ("L", "key_pool", 2), ("S", "key_pool", 0)])
+ATTENTION_MERGE_ABI = _abi(BLOCK_ATTENTION_MERGE, "attention_merge_kernel", "attention",
+                           [("T", "q", 1), ("ROWS", "acc", 0)])
 
 
 # ---------------------------------------------------------------- BlockGDN
@@ -370,7 +407,7 @@ def moe_gemm_constexprs(hidden: int, inter: int, top_k: int, block_m: int, fp8: 
     bk2 = min(t["BLOCK_K2"], max(16, next_pow2(inter)))
     gu = dict(D=hidden, I=inter, K=top_k, HAS_SCALE=fp8, BLOCK_M=block_m,
               BLOCK_N=min(t["BLOCK_N1"], max(16, next_pow2(inter))), BLOCK_K=bk1, DOT_PREC=prec)
-    dn = dict(D=hidden, I=inter, HAS_SCALE=fp8, BLOCK_M=block_m,
+    dn = dict(D=hidden, I=inter, K=top_k, HAS_SCALE=fp8, BLOCK_M=block_m,
               BLOCK_N=min(t["BLOCK_N2"], max(16, next_pow2(hidden))), BLOCK_K=bk2, DOT_PREC=prec)
     gu["F16_DOT"] = dn["F16_DOT"] = fp8 and bool(t.get("F16_DOT", FP8_F16_DOT and dtype != "float32"))
     for d in (gu, dn):  # the expert grid; moe_m_grid() switches the torch path to the M-block grid
@@ -409,13 +446,14 @@ def moe_grids(num_experts: int, B: int, T: int, gu: dict, dn: dict, block_d: int
 
 # ---------------------------------------------------------------- CoresetMoE as AOT sub-ops (model.trt.onnx)
 # One kernel per sub-op, launched by TensorRT from PTX: inputs, int32 scalars, outputs (the contracts' order).
+_PAIR_DIMS = [("B", "order", 0), ("T", "order", 1)]  # the expert GEMMs' bound on the offsets and order values
 MOE_SUBOP_ABIS = {
     MOE_ROUTE.name: _abi(MOE_ROUTE, "moe_route_kernel", "moe", [("T", "logits", 1)]),
     MOE_ALIGN.name: _abi(MOE_ALIGN, "moe_align_kernel", "moe", [("B", "idx", 0), ("T", "idx", 1)]),
-    MOE_GATE_UP.name: _abi(MOE_GATE_UP, "moe_gate_up_plain_kernel", "moe", []),
-    MOE_GATE_UP_FP8.name: _abi(MOE_GATE_UP_FP8, "moe_gate_up_kernel", "moe", []),
-    MOE_DOWN.name: _abi(MOE_DOWN, "moe_down_plain_kernel", "moe", []),
-    MOE_DOWN_FP8.name: _abi(MOE_DOWN_FP8, "moe_down_kernel", "moe", []),
+    MOE_GATE_UP.name: _abi(MOE_GATE_UP, "moe_gate_up_plain_kernel", "moe", _PAIR_DIMS),
+    MOE_GATE_UP_FP8.name: _abi(MOE_GATE_UP_FP8, "moe_gate_up_kernel", "moe", _PAIR_DIMS),
+    MOE_DOWN.name: _abi(MOE_DOWN, "moe_down_plain_kernel", "moe", _PAIR_DIMS),
+    MOE_DOWN_FP8.name: _abi(MOE_DOWN_FP8, "moe_down_kernel", "moe", _PAIR_DIMS),
     MOE_COMBINE.name: _abi(MOE_COMBINE, "moe_combine_kernel", "moe", []),
 }
 MOE_AOT_BLOCK_M = 16  # pairs per tile in the engine (fixed at build time; decode has ~2 pairs per expert)

@@ -37,6 +37,14 @@ gives the offsets and the order; `moe_gate_up_plain_kernel` /
 `moe_down_plain_kernel` are the unscaled kernels with exactly their
 contracts' pointer lists.
 
+Garbage-safe (docs/tensorrt.md): TensorRT times every plugin on inputs of
+arbitrary values while it builds. The expert GEMMs take B and T (scalars from
+the order tensor's shape) and clamp the offsets and the pair indices they read
+to the B*T*K pair rows, so any offsets and order index inside order, h, w and
+y; the route, align and combine kernels address memory with program ids only
+(align places every pair inside [0, P) whatever its id, combine reads a
+token's own K rows).
+
 Experts with no pair exit at once, so each selected expert's weights are
 read once per step (per BLOCK_M pairs). FP8 weights (e4m3, one fp32 scale per
 output channel) are widened in registers; the scale multiplies the fp32
@@ -200,6 +208,27 @@ def _segment(offsets_ptr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.conste
 
 
 @triton.jit
+def _clamp(x, lo, hi):
+    """x limited to [lo, hi]: an index read from an input tensor, kept inside what it indexes."""
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def _pair_range(offsets_ptr, B, T, K: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
+                BLOCK_M: tl.constexpr, SHARED: tl.constexpr):
+    """`_segment`'s (expert, first, end) with first <= end inside the pair rows, and the pair rows: B*T*K (plus
+    B*T, the shared expert's, with SHARED). The offsets and the order are inputs: clamped, any values index
+    inside order, h and y (garbage-safe, docs/tensorrt.md)."""
+    e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
+    if SHARED:
+        rows = B * T * (K + 1)
+    else:
+        rows = B * T * K
+    lo = _clamp(lo, 0, rows)
+    return e, lo, _clamp(hi, lo, rows), rows
+
+
+@triton.jit
 def _row_scale(rows_ptr, r_ok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """(1/s, s) per row, s = 2^(ceil(log2 amax) - 14): a power of two, so scaling rounds nothing; the row's
     largest value lands in [2^13, 2^15] (fp16 max 65504, even if log2 is off by one) and everything above
@@ -217,56 +246,56 @@ def _row_scale(rows_ptr, r_ok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
+def moe_gate_up_kernel(x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, B, T, h_ptr,
                        D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """h[pair, n] = silu(x W_g[e]^T) * (x W_u[e]^T), model-dtype rounding as the reference."""
-    _gate_up(x_ptr, x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, gu_ptr, gu_ptr, D, I, K, HAS_SCALE,
-             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP, False)
+    _gate_up(x_ptr, x_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, B, T, h_ptr, gu_ptr, gu_ptr, D, I, K,
+             HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP, False)
 
 
 @triton.jit
-def moe_gate_up_shared_kernel(x_ptr, gu_ptr, sg_ptr, su_ptr, offsets_ptr, order_ptr, h_ptr,
+def moe_gate_up_shared_kernel(x_ptr, gu_ptr, sg_ptr, su_ptr, offsets_ptr, order_ptr, B, T, h_ptr,
                               D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                               M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """moe_gate_up_kernel with the shared expert as expert NE - 1: its gate and up rows are sg/su [I, D]."""
-    _gate_up(x_ptr, x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, sg_ptr, su_ptr, D, I, K, False,
+    _gate_up(x_ptr, x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, B, T, h_ptr, sg_ptr, su_ptr, D, I, K, False,
              BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, True)
 
 
 @triton.jit
-def moe_gate_up_plain_kernel(x_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr,
+def moe_gate_up_plain_kernel(x_ptr, gu_ptr, offsets_ptr, order_ptr, B, T, h_ptr,
                              D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """`clover::MoEGateUp` (no scales): the launch ABI of its contract, inputs then outputs."""
-    _gate_up(x_ptr, x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, h_ptr, gu_ptr, gu_ptr, D, I, K, False, BLOCK_M,
-             BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, False)
+    _gate_up(x_ptr, x_ptr, gu_ptr, gu_ptr, offsets_ptr, order_ptr, B, T, h_ptr, gu_ptr, gu_ptr, D, I, K, False,
+             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, False)
 
 
 @triton.jit
-def moe_gate_up_a8_kernel(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
+def moe_gate_up_a8_kernel(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, B, T, h_ptr,
                           D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                           M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """FP8 experts on e4m3 x e4m3 dots (w8a8): xq/xs the tokens quantised by `act_quant_kernel`."""
-    _gate_up(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, gu_ptr, gu_ptr, D, I, K, HAS_SCALE,
-             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP, False)
+    _gate_up(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, B, T, h_ptr, gu_ptr, gu_ptr, D, I, K,
+             HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP, False)
 
 
 @triton.jit
-def _gate_up(x_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr, sg_ptr, su_ptr,
+def _gate_up(x_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, B, T, h_ptr, sg_ptr, su_ptr,
              D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
              F16_DOT: tl.constexpr, A8: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
              SHARED: tl.constexpr):
-    e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
+    e, lo, hi, rows = _pair_range(offsets_ptr, B, T, K, M_GRID, NE, NEP, BLOCK_M, SHARED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     dt = h_ptr.dtype.element_ty
@@ -281,10 +310,10 @@ def _gate_up(x_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
     for m0 in range(lo, hi, BLOCK_M):
         r = m0 + tl.arange(0, BLOCK_M)
         r_ok = r < hi
-        pair = tl.load(order_ptr + r, mask=r_ok, other=0).to(tl.int64)
+        pair = _clamp(tl.load(order_ptr + r, mask=r_ok, other=0), 0, rows - 1).to(tl.int64)
         tok = pair // K
         if SHARED:  # the shared segment holds token t at offsets[NE - 1] + t (moe_place_kernel)
-            tok = tl.where(sh, r - tl.load(offsets_ptr + NE - 1), tok)
+            tok = _clamp(tl.where(sh, r - tl.load(offsets_ptr + NE - 1), tok), 0, B * T - 1)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_rows = x_ptr + tok[:, None] * D
@@ -323,57 +352,57 @@ def _gate_up(x_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, h_ptr,
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
-                    D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+def moe_down_kernel(h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr,
+                    D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """y[pair, n] = (h W_down[e]^T)[n] * routing weight, rounded like the reference."""
-    _down(h_ptr, h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, down_ptr, D, I, HAS_SCALE,
-          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP, False)
+    _down(h_ptr, h_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr, down_ptr, D, I, K,
+          HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, F16_DOT, False, M_GRID, NE, NEP, False)
 
 
 @triton.jit
-def moe_down_shared_kernel(h_ptr, down_ptr, sd_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
-                           D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+def moe_down_shared_kernel(h_ptr, down_ptr, sd_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr,
+                           D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                            M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """moe_down_kernel with the shared expert as expert NE - 1 (down rows sd [D, I]); its pairs' weights are
     sigmoid(shared gate)."""
-    _down(h_ptr, h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, sd_ptr, D, I, False,
+    _down(h_ptr, h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr, sd_ptr, D, I, K, False,
           BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, True)
 
 
 @triton.jit
-def moe_down_plain_kernel(h_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
-                          D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+def moe_down_plain_kernel(h_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr,
+                          D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                     M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """`clover::MoEDown` (no scales): the launch ABI of its contract, inputs then outputs."""
-    _down(h_ptr, h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, down_ptr, D, I, False, BLOCK_M,
-          BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, False)
+    _down(h_ptr, h_ptr, down_ptr, down_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr, down_ptr, D, I, K, False,
+          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, False, M_GRID, NE, NEP, False)
 
 
 @triton.jit
-def moe_down_a8_kernel(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr,
-                       D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+def moe_down_a8_kernel(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr,
+                       D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                        M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
     """FP8 experts on e4m3 x e4m3 dots (w8a8): hq/hs the pair rows quantised by `act_quant_kernel`."""
-    _down(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, down_ptr, D, I, HAS_SCALE,
-          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP, False)
+    _down(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr, down_ptr, D, I, K,
+          HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP, False)
 
 
 @triton.jit
-def _down(h_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, y_ptr, sd_ptr,
-          D: tl.constexpr, I: tl.constexpr, HAS_SCALE: tl.constexpr,
+def _down(h_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr, sd_ptr,
+          D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
           F16_DOT: tl.constexpr, A8: tl.constexpr, M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
           SHARED: tl.constexpr):
-    e, lo, hi = _segment(offsets_ptr, M_GRID, NE, NEP, BLOCK_M)
+    e, lo, hi, rows = _pair_range(offsets_ptr, B, T, K, M_GRID, NE, NEP, BLOCK_M, SHARED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     dt = y_ptr.dtype.element_ty
@@ -385,7 +414,7 @@ def _down(h_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr
     for m0 in range(lo, hi, BLOCK_M):
         r = m0 + tl.arange(0, BLOCK_M)
         r_ok = r < hi
-        pair = tl.load(order_ptr + r, mask=r_ok, other=0).to(tl.int64)
+        pair = _clamp(tl.load(order_ptr + r, mask=r_ok, other=0), 0, rows - 1).to(tl.int64)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         h_rows = h_ptr + pair[:, None] * I
         if F16_DOT:

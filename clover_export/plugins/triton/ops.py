@@ -62,7 +62,8 @@ def block_gdn(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale
     if not split:
         kern.block_gdn_kernel[launch.gdn_grid(B, num_k_heads)](
             mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate, conv_pool, rec_pool,
-            *ids, T, o, conv_pool, rec_pool, **launch.gdn_launch(consts, num_warps), **consts, **_FUSION)
+            *ids, T, conv_pool.shape[0], o, conv_pool, rec_pool,  # T, S: launch.GDN_ABI's scalars
+            **launch.gdn_launch(consts, num_warps), **consts, **_FUSION)
         return o, conv_pool, rec_pool
     act = torch.empty(B, T, C, dtype=torch.float32, device=mixed_qkv.device)
     cc = launch.gdn_conv_constexprs(consts)
@@ -115,18 +116,18 @@ def block_attention(q, k, v, key_pool, value_pool, slot_ids, past_len, n_causal,
     consts = dict(consts, KV_FIRST=kv_first)
     if splits <= 1:
         kern.block_attention_kernel[launch.attention_grid(B, T, consts)](
-            q, k, v, key_pool, value_pool, *ids, T, L, o, key_pool, value_pool, **consts,
+            q, k, v, key_pool, value_pool, *ids, T, L, key_pool.shape[0], o, key_pool, value_pool, **consts,
             **launch.attention_launch(arch, dtype, tiles), **_FUSION)
         return o, key_pool, value_pool
     acc = torch.empty(splits * B * T, H, hd, dtype=torch.float32, device=q.device)  # contracts.BLOCK_ATTENTION_SPLIT
     ml = torch.empty(splits * B * T, H, 2, dtype=torch.float32, device=q.device)
     count = torch.empty(1, dtype=torch.int32, device=q.device)
     kern.block_attention_split_kernel[launch.attention_grid(B, T, consts, splits)](
-        q, k, v, key_pool, value_pool, *ids, T, L, acc, ml, count, key_pool, value_pool, **consts,
+        q, k, v, key_pool, value_pool, *ids, T, L, key_pool.shape[0], acc, ml, count, key_pool, value_pool, **consts,
         **launch.attention_split_launch(arch, dtype, tiles), **_FUSION)
     kern.attention_merge_kernel[launch.attention_merge_grid(B, T, H)](
-        acc, ml, count, q, T, o, **launch.attention_merge_constexprs(H, hd), **launch.ATTENTION_MERGE_LAUNCH,
-        **_FUSION)
+        acc, ml, count, q, T, acc.shape[0], o, **launch.attention_merge_constexprs(H, hd),
+        **launch.ATTENTION_MERGE_LAUNCH, **_FUSION)
     return o, key_pool, value_pool
 
 
@@ -235,21 +236,22 @@ def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None
     y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     if a8:
         xq, xs = act_quant(x.view(B * T, D))
-        kern.moe_gate_up_a8_kernel[grids["gate_up"]](xq, xs, gate_up.contiguous(), gs, offsets, order, h, **gu,
+        kern.moe_gate_up_a8_kernel[grids["gate_up"]](xq, xs, gate_up.contiguous(), gs, offsets, order, B, T, h, **gu,
                                                      **opts, **_FUSION)
         hq, hs = act_quant(h)
-        kern.moe_down_a8_kernel[grids["down"]](hq, hs, down.contiguous(), ds, w, offsets, order, y, **dn, **opts,
+        kern.moe_down_a8_kernel[grids["down"]](hq, hs, down.contiguous(), ds, w, offsets, order, B, T, y, **dn, **opts,
                                                **_FUSION)
     elif shared is not None:
         w_all = torch.cat([w.reshape(-1), sw.reshape(-1).to(w.dtype)])  # the shared pairs' weights follow
         kern.moe_gate_up_shared_kernel[grids["gate_up"]](x, gate_up.contiguous(), sg.contiguous(), su.contiguous(),
-                                                         offsets, order, h, **gu, **opts, **_FUSION)
-        kern.moe_down_shared_kernel[grids["down"]](h, down.contiguous(), sd.contiguous(), w_all, offsets, order, y,
-                                                   **dn, **opts, **_FUSION)
+                                                         offsets, order, B, T, h, **gu, **opts, **_FUSION)
+        kern.moe_down_shared_kernel[grids["down"]](h, down.contiguous(), sd.contiguous(), w_all, offsets, order, B, T,
+                                                   y, **dn, **opts, **_FUSION)
     else:
-        kern.moe_gate_up_kernel[grids["gate_up"]](x, gate_up.contiguous(), gs, offsets, order, h, **gu, **opts,
+        kern.moe_gate_up_kernel[grids["gate_up"]](x, gate_up.contiguous(), gs, offsets, order, B, T, h, **gu, **opts,
                                                   **_FUSION)
-        kern.moe_down_kernel[grids["down"]](h, down.contiguous(), ds, w, offsets, order, y, **dn, **opts, **_FUSION)
+        kern.moe_down_kernel[grids["down"]](h, down.contiguous(), ds, w, offsets, order, B, T, y, **dn, **opts,
+                                            **_FUSION)
     kern.moe_combine_kernel[grids["combine"]](y, idx, out, **launch.moe_combine_constexprs(D, E, top_k, shared is not None),
                                               **launch.MOE_SMALL_LAUNCH, **_FUSION)
     return out

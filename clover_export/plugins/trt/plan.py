@@ -36,17 +36,23 @@ class OutputDecl:
 
 
 def output_decls(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, object], arch: int = 90,
-                 num_sms: int | None = None, shape_ops: launch.ShapeOps = launch.INT_OPS) -> list[OutputDecl]:
+                 num_sms: int | None = None, shape_ops: launch.ShapeOps = launch.INT_OPS,
+                 dtype_pass: bool = False) -> list[OutputDecl]:
     """Output descriptors; shapes may hold TensorRT shape expressions (only bound, never compared).
-    BlockAttentionSplit's partials have `attention_partial_rows` rows (the build GPU's `arch` and `num_sms`)."""
+    BlockAttentionSplit's partials have `attention_partial_rows` rows (the build GPU's `arch` and `num_sms`).
+
+    dtype_pass: TensorRT's dtype pass (tensorrt.plugin's get_output_data_types), whose dims are placeholders
+    with no value ("fake" ShapeExprs, TensorRT 10.9-11.1 plugin/_plugin_class.py): only the outputs' dtypes and
+    aliases are read there, so shapes that need values get a placeholder. Anywhere else such dims are an error."""
     from clover_export.plugins.contracts import output_dtype_source, output_shapes
 
     derived = None
     if contract is BLOCK_ATTENTION_SPLIT:
-        if all(isinstance(shapes[n][i], int) for n, i in (("q", 2), ("q", 3), ("k", 2))):
-            derived = {"rows": attention_partial_rows(shapes, attrs, arch, _need_sms(num_sms), shape_ops)}
-        else:  # TensorRT's dtype pass: placeholder dims with no values (tensorrt.plugin get_output_data_types);
-            derived = {"rows": shapes["q"][0]}  # only the outputs' dtypes are read there
+        if dtype_pass:
+            derived = {"rows": shapes["q"][0]}  # a placeholder: never read
+        else:
+            derived = {"rows": attention_partial_rows(_static_heads(shapes), attrs, arch, _need_sms(num_sms),
+                                                      shape_ops)}
     out_shapes = output_shapes(contract, shapes, attrs, derived)
     decls = []
     for spec, shape in zip(contract.outputs, out_shapes):
@@ -93,6 +99,16 @@ def autotune_strings(contract: OpContract) -> list[str]:
     return [", ".join(TRT_TYPE_NAMES[c[n]] for n in names) for c in combinations(contract)]
 
 
+def _static_heads(shapes: dict[str, tuple]) -> dict[str, tuple]:
+    """`shapes`, checked: the partials' rows need q's heads and head size and k's heads as build-time ints."""
+    dims = {f"{n} dim {i}": shapes[n][i] for n, i in (("q", 2), ("q", 3), ("k", 2))}
+    loose = [f"{what} ({v!r})" for what, v in dims.items() if not isinstance(v, int)]
+    if loose:
+        raise ValueError(f"BlockAttentionSplit: {', '.join(loose)} must be build-time constants to size the "
+                         "partials (export the graph with static head counts and head size)")
+    return shapes
+
+
 def _need_sms(num_sms: int | None) -> int:
     if not num_sms:
         raise ValueError("BlockAttentionSplit: the split count needs the build GPU's SM count (num_sms)")
@@ -131,11 +147,14 @@ class AotPlan:
 
 
 def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes: dict[str, str], arch: int,
-             cdiv=launch.cdiv, num_sms: int | None = None, shape_ops: launch.ShapeOps | None = None) -> AotPlan:
+             cdiv=launch.cdiv, num_sms: int | None = None, shape_ops: launch.ShapeOps | None = None,
+             fit=None) -> AotPlan:
     """Kernel variant, grid and extra scalars for an AOT op. Static dims must be ints; batch and step length
     may be TensorRT shape expressions. `cdiv` is only called where one side is symbolic (`launch.ShapeOps`:
     TensorRT's own cdiv refuses two ints); `shape_ops` (cdiv, min, max) replaces it where given, as
-    BlockAttentionSplit's split count needs min and max too (and the build GPU's `num_sms`)."""
+    BlockAttentionSplit's split count needs min and max too (and the build GPU's `num_sms`).
+    `fit(variant) -> variant` may shrink the variant's tiles (TensorRT's shared-memory budget,
+    `aot.fit_shared_memory`); the grid is computed from the variant it returns."""
     from clover_export.plugins.triton import aot
 
     ops = shape_ops or launch.ShapeOps(cdiv=cdiv)
@@ -145,33 +164,72 @@ def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes
         v = aot.gdn_variant_for(int(attrs["num_k_heads"]), int(s["A_log"][0]), int(attrs["head_k_dim"]),
                                 int(attrs["head_v_dim"]), int(s["conv_w"][1]), int(attrs["block_size"]),
                                 dtypes["mixed_qkv"], dtypes["A_log"])
-        grid = launch.gdn_grid(s["mixed_qkv"][0], int(attrs["num_k_heads"]))
+        grid = lambda c: launch.gdn_grid(s["mixed_qkv"][0], int(attrs["num_k_heads"]))  # noqa: E731
         abi = launch.GDN_ABI
     elif op == BLOCK_ATTENTION.name:
         v = aot.attention_variant_for(int(s["q"][2]), int(s["k"][2]), int(s["q"][3]), int(attrs["block_size"]),
                                       float(attrs["scale"]), dtypes["q"], arch)
-        grid = launch.attention_grid(s["q"][0], s["q"][1], v.constexprs, cdiv=cdiv)
+        grid = lambda c: launch.attention_grid(s["q"][0], s["q"][1], c, cdiv=cdiv)  # noqa: E731
         abi = launch.ATTENTION_ABI
     elif op == BLOCK_ATTENTION_SPLIT.name:
         v = aot.attention_split_variants_for(int(s["q"][2]), int(s["k"][2]), int(s["q"][3]), int(attrs["block_size"]),
                                              float(attrs["scale"]), dtypes["q"], arch)[0]
-        splits = attention_split_count(s, attrs, arch, _need_sms(num_sms), ops)
-        grid = launch.attention_grid(s["q"][0], s["q"][1], v.constexprs, splits, cdiv=cdiv)
+        splits = attention_split_count(s, attrs, arch, _need_sms(num_sms), ops)  # default tiles: as output_decls
+        grid = lambda c: launch.attention_grid(s["q"][0], s["q"][1], c, splits, cdiv=cdiv)  # noqa: E731
         abi = launch.ATTENTION_SPLIT_ABI
     elif op == BLOCK_ATTENTION_MERGE.name:
         v = aot.attention_merge_variant(int(s["q"][2]), int(s["q"][3]), dtypes["q"])
-        grid = launch.attention_merge_grid(s["q"][0], s["q"][1], int(s["q"][2]), cdiv=cdiv)
+        grid = lambda c: launch.attention_merge_grid(s["q"][0], s["q"][1], int(s["q"][2]), cdiv=cdiv)  # noqa: E731
         abi = launch.ATTENTION_MERGE_ABI
     elif op in MOE_SUBOPS:
         E, K, D, I = moe_dims(op, shapes, attrs)
         first = s[MOE_SUBOPS[op].inputs[0].name]
         model_dtype = dtypes[MOE_SUBOPS[op].inputs[0].name]
         v = aot.moe_subop_variant(op, E, K, D, I, attrs, model_dtype, arch)
-        grid = launch.moe_subop_grid(op, first[0], first[1], E, v.constexprs, cdiv=cdiv)
+        grid = lambda c: launch.moe_subop_grid(op, first[0], first[1], E, c, cdiv=cdiv)  # noqa: E731
         abi = launch.MOE_SUBOP_ABIS[op]
     else:
         raise ValueError(f"clover::{op} is not a TensorRT plugin op (CoresetMoE is split by exporter/trt_graph.py)")
-    return AotPlan(v, grid, tuple((src, dim) for _, src, dim in abi.scalars))
+    if fit is not None:
+        v = fit(v)
+    return AotPlan(v, grid(v.constexprs), tuple((src, dim) for _, src, dim in abi.scalars))
+
+
+# ---------------------------------------------------------------- shared memory of the AOT kernels
+LARGE_SHARED_MEMORY_ENV = "CLOVER_TRT_LARGE_SHARED_MEMORY"
+
+
+def env_flag(name: str, environ=None) -> bool:
+    """A yes/no environment variable: unset, "", 0, false, no, off -> False; 1, true, yes, on -> True."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={value!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+def aot_shared_budget(arch: int, environ=None) -> int:
+    """Most dynamic shared memory per block a TensorRT AOT kernel may use: 48 KiB, what a launch gets without
+    the opt-in attribute, unless the user opts in (LARGE_SHARED_MEMORY_ENV=1): then the GPU's per-block maximum.
+    TensorRT's public sources do not say that its AOT launch opts in (docs/tensorrt.md)."""
+    if env_flag(LARGE_SHARED_MEMORY_ENV, environ):
+        return launch.OPTIN_SHARED_BYTES[launch.tile_arch(arch)]
+    return launch.DEFAULT_SHARED_BYTES
+
+
+def shared_memory_note(arch: int | None, environ=None) -> str:
+    """One line for `doctor` and the engine build's log: the AOT kernels' shared-memory budget and why."""
+    if env_flag(LARGE_SHARED_MEMORY_ENV, environ):
+        most = f"{aot_shared_budget(arch, environ) // 1024} KiB (sm_{arch}'s maximum)" if arch else "the GPU's maximum"
+        return (f"AOT plugin kernels: up to {most} of shared memory per block ({LARGE_SHARED_MEMORY_ENV}=1; works "
+                "only if TensorRT's AOT launch opts kernels into more than 48 KiB, which its public sources do not "
+                "say: a refused launch fails the build)")
+    return (f"AOT plugin kernels: at most {launch.DEFAULT_SHARED_BYTES // 1024} KiB of shared memory per block, tiles "
+            "shrunk to fit (TensorRT's public sources do not say its AOT launch opts kernels into more; "
+            f"{LARGE_SHARED_MEMORY_ENV}=1 allows the GPU's maximum)")
 
 
 def moe_dims(op: str, shapes: dict[str, tuple], attrs: dict[str, object]) -> tuple[int, int, int, int]:

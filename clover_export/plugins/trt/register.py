@@ -14,6 +14,11 @@ input and attribute lists are never retyped.
 
 Attributes: ONNX carries the contract's bool as an int 0/1, so bools are
 declared `int` here.
+
+Each kernel's PTX keeps within `plan.aot_shared_budget` bytes of shared memory
+per block (48 KiB unless the user opts in; `aot.fit_shared_memory` shrinks its
+tiles), and the shape function tells TensorRT's dtype pass (placeholder dims,
+`ShapeExpr.is_fake`) from the shape pass (docs/tensorrt.md).
 """
 
 import inspect
@@ -51,6 +56,11 @@ def _static(expr):
 
 def _dims(desc) -> tuple:
     return tuple(_static(desc.shape_expr[i]) for i in range(desc.ndim))
+
+
+def _dtype_pass(args, inputs) -> bool:
+    """TensorRT's dtype pass (get_output_data_types) hands placeholder dims: `ShapeExpr.is_fake`."""
+    return any(args[n].shape_expr[i].is_fake for n in inputs for i in range(args[n].ndim))
 
 
 def _build_arch() -> int:
@@ -98,7 +108,7 @@ def _register(contract: OpContract) -> None:
         outs = []
         split = contract is BLOCK_ATTENTION_SPLIT  # its partials' rows depend on the GPU
         sizing = dict(arch=_build_arch(), num_sms=_build_sms(), shape_ops=_shape_ops()) if split else {}
-        for d in plan.output_decls(contract, shapes, values, **sizing):
+        for d in plan.output_decls(contract, shapes, values, dtype_pass=_dtype_pass(args, inputs), **sizing):
             if d.alias_of is not None:
                 outs.append(args[d.alias_of].aliased())
                 continue
@@ -123,9 +133,16 @@ def _register(contract: OpContract) -> None:
         arch = _build_arch()
         shapes = {n: _dims(args[n]) for n in inputs}
         dtypes = {n: _dtype_name(args[n].dtype) for n in inputs}
+        budget = plan.aot_shared_budget(arch)  # 48 KiB unless the user opts in (plan.LARGE_SHARED_MEMORY_ENV)
+        compiled = {}
+
+        def fit(v):
+            v, compiled["ptx"] = aot.fit_shared_memory(v, arch, budget)
+            return v
+
         p = plan.aot_plan(contract.name, shapes, {a: args[a] for a, _ in attrs}, dtypes, arch, num_sms=_build_sms(),
-                          shape_ops=_shape_ops())
-        c = aot.compile_variant(p.variant, arch)
+                          shape_ops=_shape_ops(), fit=fit)
+        c = compiled["ptx"]
         lp = trtp.KernelLaunchParams()
         lp.grid_x, lp.grid_y, lp.grid_z = p.grid
         lp.block_x = c.block
