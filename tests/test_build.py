@@ -1,6 +1,7 @@
 """`clover-export build` on the embedded default, end to end without TensorRT, twice; FP8 accuracy."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -102,7 +103,7 @@ def test_require_engine_fails_plainly_without_tensorrt(tmp_path):
     r = run("build", "--out", str(tmp_path / "b"), "--precision", "bf16", "--require-engine", "--max-batch", "1")
     assert r.returncode == 1
     assert "--require-engine: no engine can be built here: TensorRT is not installed" in r.stderr
-    assert "Traceback" not in r.stderr and "nothing was built" in r.stderr
+    assert "Traceback" not in r.stderr and "nothing was written" in r.stderr
     assert "[export" not in r.stdout and "memory plan" not in r.stdout, r.stdout
     assert not (tmp_path / "b").exists()
 
@@ -114,10 +115,57 @@ def test_build_refuses_a_plan_that_does_not_fit(tmp_path):
     assert not (tmp_path / "b" / "onnx-fp32").exists()
 
 
+def test_every_problem_is_reported_at_once_before_any_work(tiny_dir, tmp_path, monkeypatch):
+    """Seven problems in one fp8 build, each found by the checks before the first stage: all of them reported in
+    one error, one line each (a fact found by two checks once), and nothing written, not even OUT."""
+    from clover_export.engines import build as B
+    from clover_export.engines import disk_plan
+    from clover_export.errors import CloverError
+    from clover_export.exporter import export as export_module
+
+    model = shutil.copytree(tiny_dir, tmp_path / "model", ignore=shutil.ignore_patterns("tokenizer.json"))
+    config = json.loads((model / "config.json").read_text())
+    del config["mask_token_id"]  # needed by the calibration (and by prompt_batch, which finds it too)
+    (model / "config.json").write_text(json.dumps(config))
+    calib = tmp_path / "calib.json"
+    calib.write_text('{"prompts": "not a list"}')
+    monkeypatch.setattr(disk_plan, "free_bytes", lambda path: 2**20)
+    monkeypatch.setattr(export_module, "export", lambda *a, **k: pytest.fail("a stage ran"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    logged: list[str] = []
+    opts = B.BuildOptions(precision="fp8", max_batch=2, calib=str(calib), gpu_memory_gib=0.5, require_engine=True,
+                          weights="map")
+    with pytest.raises(CloverError) as e:
+        B.build(model, tmp_path / "out", opts, log=logged.append)
+    expected = [f"{model / 'tokenizer.json'}: file not found", f"{calib}: expected prompts",
+                "field 'mask_token_id' is missing", "the engine does not fit in GPU memory",
+                "not enough free disk space", "--weights map: a build's graphs need their weights in weights/"]
+    if B.engine_blocker("fp8"):
+        expected.append("--require-engine: no engine can be built here")
+    head, *lines = str(e.value).splitlines()
+    problems = [line for line in lines if line.startswith("  - [")]
+    assert head == f"[build] cannot start: {len(expected)} problems, nothing was written:", str(e.value)
+    assert len(problems) == len(expected) == len(lines) - 1 and lines[-1].startswith("  Note:"), str(e.value)
+    for want in expected:
+        assert sum(want in line for line in problems) == 1, (want, problems)
+    assert sum("DOES NOT FIT" in line for line in logged) == 2  # the memory and disk plans behind their lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no temporary folder
+
+
+def test_a_single_problem_is_its_own_one_line_error(tiny_dir, tmp_path):
+    """Through the CLI: one problem is the error itself, as every CLI error is, saying nothing was written."""
+    calib = tmp_path / "calib.json"
+    calib.write_text("[1, 2]")
+    r = run("build", str(tiny_dir), "--out", str(tmp_path / "b"), "--calib", str(calib))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == [f"error: [calibration] {calib}: expected prompts, one per line or a JSON list "
+                                     "of strings", "  Note: nothing was written"], r.stderr
+    assert "[export" not in r.stdout and not (tmp_path / "b").exists()
+
+
 @pytest.mark.tensorrt
-def test_engine_is_built_where_tensorrt_exists(built):
-    if tensorrt_version() is None:
-        pytest.skip("TensorRT is not installed on this machine")
+@pytest.mark.skipif(tensorrt_version() is None, reason="TensorRT is not installed on this machine")
+def test_engine_is_built_where_tensorrt_exists(built):  # skipped before the build fixture runs
     out, r = built
     assert (out / "onnx-fp8-bf16" / "engine.plan").exists(), r.stdout
 

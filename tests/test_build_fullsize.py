@@ -155,18 +155,24 @@ def _files(folder: Path):
 
 
 def test_no_fp32_weight_file_at_any_stage(resumed, model):
+    """The only weight files besides the FP8 file are the checkpoint's own bf16 shards: linked, or where the
+    filesystem has no reflinks and the checkpoint is small, copied (exporter/weights.py)."""
+    import filecmp
+
     out, _, _ = resumed
-    shards = {p.stat().st_ino for p in model.glob("*.safetensors")}
+    shards = {p.name: p for p in model.glob("*.safetensors")}
     for p in _files(out):
         assert p.name != "converted.bin", p
-        if p.stat().st_ino in shards:
+        if p.name in shards and filecmp.cmp(p, shards[p.name], shallow=False):
             continue
         assert p.suffix in (".onnx", ".json", ".bin", ".jinja", ".txt", ".model") or p.name.startswith("tokenizer"), p
     proto = onnx.load(str(out / "onnx-fp32" / "model.onnx"), load_external_data=False)
     ext = [t for t in proto.graph.initializer if t.data_location == TensorProto.EXTERNAL]
     assert ext and all(t.data_type == TensorProto.BFLOAT16 for t in ext)  # the shards' bf16, cast in the graph
+    checkpoint = sum(p.stat().st_size for p in shards.values())
     for g in ("onnx-fp32", "onnx-bf16"):
-        assert json.loads((out / g / "manifest.json").read_text())["weights"]["weight_bytes_written"] == 0
+        w = json.loads((out / g / "manifest.json").read_text())["weights"]
+        assert w["bytes_converted"] == 0 and w["weight_bytes_written"] in (0, checkpoint), w  # linked, or copied
 
 
 def test_fp8_weights_written_once_and_shared(resumed):
@@ -426,10 +432,13 @@ def test_disk_plan_refuses_up_front_with_the_figures(model, tmp_path, monkeypatc
 
     monkeypatch.setattr(disk_plan, "free_bytes", lambda path: 100 * 2**20)
     out = tmp_path / "out"
+    logged: list[str] = []
     with pytest.raises(CloverError) as e:
-        B.build(model, out, B.BuildOptions(**OPTS), log=lambda s: None)
+        B.build(model, out, B.BuildOptions(**OPTS), log=logged.append)
     msg = str(e.value)
-    assert "not enough free disk space" in msg and "fp8-weights" in msg and "DOES NOT FIT" in msg
+    assert msg.startswith("[build] not enough free disk space") and "fp8-weights" in msg and "0.10 GiB free" in msg
+    assert msg.count("\n") == 1 and msg.endswith("Note: nothing was written")  # one line (and the note)
+    assert any("DOES NOT FIT" in line for line in logged)  # the plan's figures, logged
     assert not out.exists()  # nothing written
 
 
@@ -460,6 +469,51 @@ def test_bf16_export_runs_in_a_background_process(resumed):
     fp32 = next(line for line in logs[0] if line.startswith("[export fp32] onnx-fp32 in "))
     assert "background" not in fp32 and text.index(fp32) < text.index("[validate slices] slice of layers")
     assert (out / "onnx-bf16" / "manifest.json").exists()
+
+
+# --- everything checked before the first stage, at full size -------------------------------------------------
+@pytest.fixture(scope="module")
+def fullsize_without_tokenizer(tmp_path_factory) -> Path:
+    """The Clover-35B-A3B checkpoint as sparse files (real headers, zero data, ~69 GB apparent, a few MB on disk),
+    its tokenizer removed."""
+    from clover_export.testing.fullsize import write_sparse_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("fullsize") / "checkpoint"
+    write_sparse_checkpoint(ckpt)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (ckpt / name).unlink()
+    return ckpt
+
+
+def test_fullsize_fp8_build_without_a_tokenizer_fails_in_seconds_writing_nothing(fullsize_without_tokenizer, tmp_path):
+    """The fp8 calibration needs the tokenizer: missing, the build fails before its first stage (it used to
+    write the FP8 weights and export for minutes first), within 10 s, the real CLI in a process of its own."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ckpt, out = fullsize_without_tokenizer, tmp_path / "out"
+    before = sorted(p.name for p in ckpt.iterdir())
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "clover_export.cli", "build", str(ckpt), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:  # a stage started after all (it writes ~0.5 GB/s): stop it and its children
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+    seconds = time.perf_counter() - t
+    written = sorted(p.name for p in tmp_path.iterdir())
+    for p in tmp_path.iterdir():  # what a regression wrote goes now, not with pytest's old temp folders
+        shutil.rmtree(p, ignore_errors=True)
+    assert proc.returncode == 1 and "Traceback" not in stderr, (proc.returncode, stdout[-2000:], stderr[-2000:])
+    assert f"[tokenizer] {ckpt / 'tokenizer.json'}: file not found" in stderr, stderr
+    assert "[export" not in stdout and "[quantize]" not in stdout, stdout
+    assert seconds < 10, f"{seconds:.1f} s"
+    assert written == [] and sorted(p.name for p in ckpt.iterdir()) == before
 
 
 def test_background_export_hands_back_errors_and_stops_cleanly(model, tmp_path):

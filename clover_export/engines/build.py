@@ -13,11 +13,16 @@ quantised once, tensor by tensor, into `fp8-weights/` and linked by both
 FP8 graphs, calibration streams the reference model layer by layer
 (`stream_calib.py`), and where whole-graph validation would not fit in
 memory, a slice at full width (the first layer of each kind, the embedding,
-norm and lm_head) is validated instead (`exporter/slice.py`). A disk plan
-(`disk_plan.py`) checks free space before anything is written. The FP8
-weight file (a thread) and, at full size, the bf16 export (a process) run
-beside the other stages (`background.py`). Ctrl-C keeps every finished
-stage; the same command continues from there.
+norm and lm_head) is validated instead (`exporter/slice.py`).
+
+Before the first stage, `check_inputs` checks everything the stages will
+need (options, config, checkpoint headers, the tokenizer and calibration
+prompts for fp8, OUT, the memory and disk plans, TensorRT under
+--require-engine) and reports every problem at once, one line each, with
+nothing written (docs/build.md). The FP8 weight file (a thread) and, at full
+size, the bf16 export (a process) run beside the other stages
+(`background.py`). Ctrl-C keeps every finished stage; the same command
+continues from there.
 
 OUT/
   build.json       stages, their keys and results
@@ -43,6 +48,7 @@ from clover_export.engines.calibration import FP8_MIN_AGREEMENT
 from clover_export.errors import CloverError
 
 BUILD_FILE = "build.json"
+BUILD_WEIGHT_MODES = ("link", "copy")  # export's weight modes a build accepts (STEP_GRAPH.md 2: files beside the graph)
 ENGINE_FILE = "engine.plan"
 
 
@@ -123,39 +129,130 @@ def gpu_memory_bytes(opts: BuildOptions) -> int | None:
     return None
 
 
-def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None] = print) -> BuildResult:
-    from clover_export.config import load_config
-    from clover_export.engines.memory_plan import plan_memory, require_fit
-    from clover_export.models import resolve_model_dir
+@dataclass
+class Ready:
+    """What `check_inputs` found: everything the stages need, checked before any of them runs."""
 
-    if opts.precision not in ("bf16", "fp8"):
-        raise CloverError("build", f"unknown precision {opts.precision!r}", "expected bf16 or fp8")
-    if opts.require_engine:  # before any work (issue 10)
-        why = engine_blocker(opts.precision)
-        if why:
-            raise CloverError("build", f"--require-engine: no engine can be built here: {why}",
-                              "run `clover-export doctor` to see what is missing; nothing was built")
-    model_dir = resolve_model_dir(model)
-    cfg = load_config(model_dir)
-    max_context = cfg.max_context if opts.max_context is None else opts.max_context
+    model_dir: Path
+    cfg: object  # CloverConfig
+    max_context: int
+    out: Path
+    memory: object  # memory_plan.MemoryPlan
+    disk: object  # disk_plan.DiskPlan
+    stages: Stages
+    base: tuple  # what every stage key is made from
+    keys: dict[str, str]
+    validation: tuple[bool, str]  # validation_mode: (whole graphs?, why)
+    prompts: object = None  # fp8: calibration.PromptBatch (the calibration prompts, tokenised)
+
+
+def problem_line(e: CloverError) -> str:
+    """A CloverError as one problem line; a message that lists several items keeps them on indented lines."""
+    first, *rest = e.message.splitlines()
+    line = f"[{e.component}] {first}" + (f" ({e.note})" if e.note else "")
+    return "\n".join([line] + [f"      {r.strip()}" for r in rest])
+
+
+def refuse(problems: list[CloverError]) -> None:
+    """Raise for the problems found: one as itself, several as one error listing them, one line each."""
+    if len(problems) == 1:
+        e = problems[0]
+        raise CloverError(e.component, e.message, f"{e.note}; nothing was written" if e.note else "nothing was written")
+    if problems:
+        raise CloverError("build", f"cannot start: {len(problems)} problems, nothing was written:\n  - "
+                          + "\n  - ".join(map(problem_line, problems)), "fix them and run the same command again")
+
+
+def check_inputs(model, out, opts: BuildOptions, log: Callable[[str], None] = print) -> Ready:
+    """Everything `build` will need, checked before its first stage: the options, the model folder, its
+    config and checkpoint headers, (fp8) the tokenizer, chat template, mask token and calibration prompts,
+    OUT, GPU memory, disk space, and TensorRT where --require-engine asks for an engine. Every problem is
+    reported at once, one line each, and nothing is written (not even OUT)."""
+    import warnings
+
+    from clover_export.checkpoint import locate_tensors, plan_tensors
+    from clover_export.config import load_config
+    from clover_export.engines.disk_plan import shortfall as disk_shortfall
+    from clover_export.engines.memory_plan import plan_memory, shortfall as memory_shortfall
+    from clover_export.models import resolve_model_dir
     from clover_export.outdir import claim_dir
 
-    out = claim_dir(out, "build", command="build", force=opts.force, model_dirs=[model_dir])
-    plan = plan_memory(cfg, opts.precision, opts.max_batch, max_context, opts.chunk, gpu_memory_bytes(opts))
-    for line in plan.lines():
+    problems: list[CloverError] = []
+
+    def problem(e: CloverError) -> None:
+        if str(e) not in map(str, problems):  # the same fact found by two checks is one problem
+            problems.append(e)
+
+    def attempt(fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except CloverError as e:
+            problem(e)
+            return None
+
+    precision_ok = opts.precision in ("bf16", "fp8")
+    if not precision_ok:
+        problem(CloverError("build", f"unknown precision {opts.precision!r}", "expected bf16 or fp8"))
+    elif opts.require_engine and (why := engine_blocker(opts.precision)):
+        problem(CloverError("build", f"--require-engine: no engine can be built here: {why}",
+                            "run `clover-export doctor` to see what is missing"))
+    if opts.weights not in BUILD_WEIGHT_MODES:  # TensorRT reads external data from files beside the graph
+        problem(CloverError("build", f"--weights {opts.weights}: a build's graphs need their weights in weights/ "
+                            "(map mode references the checkpoint in place, which TensorRT cannot parse or refit)",
+                            f"use --weights {' or '.join(BUILD_WEIGHT_MODES)}"))
+    gpu_bytes = attempt(gpu_memory_bytes, opts)
+    model_dir = attempt(resolve_model_dir, model)
+    out = attempt(claim_dir, out, "build", command="build", force=opts.force,
+                  model_dirs=[model_dir] if model_dir else [])
+    cfg = attempt(load_config, model_dir) if model_dir else None
+    if cfg is None:  # nothing further can be checked without the config
+        refuse(problems)
+    validation = attempt(validation_mode, cfg, opts)
+    with warnings.catch_warnings():  # a plain Qwen checkpoint's warning comes again, once, at export
+        warnings.simplefilter("ignore")
+        planned = attempt(lambda: plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=opts.allow_qwen))
+    prompts = batch = None
+    if opts.precision == "fp8":
+        from clover_export.engines.calibration import BUILTIN_PROMPTS, prompt_batch, read_prompts
+
+        prompts = attempt(read_prompts, opts.calib)
+        attempt(cfg.require_mask_token)
+        # the tokenizer and chat template are checked on a built-in prompt when --calib is itself a problem
+        batch = attempt(prompt_batch, model_dir, prompts or BUILTIN_PROMPTS[:1], cfg.block_size)
+        if batch is not None and (bad := [t for row in batch.ids for t in row if not 0 <= t < cfg.vocab_size]):
+            problem(CloverError("calibration", f"{model_dir / 'tokenizer.json'} gives token id {bad[0]} for the "
+                                f"calibration prompts, outside the vocabulary (size {cfg.vocab_size}) of {cfg.source}"))
+    max_context = cfg.max_context if opts.max_context is None else opts.max_context
+    memory = attempt(plan_memory, cfg, opts.precision, opts.max_batch, max_context, opts.chunk, gpu_bytes) \
+        if precision_ok else None
+    if memory is not None and (short := memory_shortfall(memory)):
+        for line in memory.lines():  # the figures behind the problem line
+            log(line)
+        problem(CloverError("build", short))
+    disk = stages = base = keys = None
+    if out is not None and planned is not None and precision_ok:
+        stages = Stages(out)
+        if opts.force:
+            stages.data["stages"] = {}
+        base = (str(model_dir.resolve()), checkpoint_key(model_dir), cfg.fingerprint(), opts.max_batch, max_context,
+                opts.chunk, opts.weights, opts.allow_qwen)
+        keys = stage_keys(base, opts, prompts or [])
+        disk = plan_disk_for(out, cfg, model_dir, opts, keys, stages)
+        if short := disk_shortfall(disk):
+            for line in disk.lines():
+                log(line)
+            problem(CloverError("build", short))
+    refuse(problems)
+    return Ready(model_dir, cfg, max_context, out, memory, disk, stages, base, keys, validation, batch)
+
+
+def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None] = print) -> BuildResult:
+    ready = check_inputs(model, out, opts, log)  # every problem at once, before anything is written
+    model_dir, cfg, max_context, out = ready.model_dir, ready.cfg, ready.max_context, ready.out
+    stages, base, keys = ready.stages, ready.base, ready.keys
+    for line in ready.memory.lines() + ready.disk.lines():
         log(line)
-    require_fit(plan)  # before anything is written
-    stages = Stages(out)
-    if opts.force:
-        stages.data["stages"] = {}
     res = BuildResult(out)
-    base = (str(model_dir.resolve()), checkpoint_key(model_dir), cfg.fingerprint(), opts.max_batch, max_context,
-            opts.chunk, opts.weights, opts.allow_qwen)
-    keys = stage_keys(base, opts)
-    disk = plan_disk_for(out, cfg, model_dir, opts, keys, stages)
-    for line in disk.lines():
-        log(line)
-    require_space(disk)  # before anything is written
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -201,7 +298,7 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         stages.record(name, key, {"runners": rep.runners, "passed": True})
         res.ran.append(name)
 
-    whole, why = validation_mode(cfg, opts)
+    whole, why = ready.validation
     log(f"[validate] {'whole graphs' if whole else 'a slice at full width'}: {why}")
     writer = None
     if opts.precision == "fp8" and not stages.done("fp8-weights", keys["fp8-weights"], out / "fp8-weights"):
@@ -222,7 +319,7 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
         log("[export bf16] in a background process beside the stages below")
     try:
         engine_graph = _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole,
-                                     export_stage, validate_stage, writer)
+                                     export_stage, validate_stage, writer, ready.prompts)
     finally:
         if bf16_job is not None:
             bf16_job.stop()  # after a failure or Ctrl-C: its temporary folder removed; else it has finished
@@ -239,7 +336,7 @@ def build(model, out: str | Path, opts: BuildOptions, log: Callable[[str], None]
 
 
 def _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole, export_stage, validate_stage,
-                  writer) -> Path:
+                  writer, prompts) -> Path:
     """Export and validate both graphs, then the FP8 stages; the graph the engine is built from.
     Whole-graph validation: in that order. Slice validation (full size): the fp32 export, then the slice
     (reusing its trace); the bf16 export runs in a background process (`build`), collected when first
@@ -272,16 +369,14 @@ def _graph_stages(model_dir, out, cfg, opts, base, keys, stages, res, log, whole
     if opts.precision != "fp8":
         return bf16_graph()
     return fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, log, keys, whole, res, writer,
-                      shared)
+                      shared, prompts=prompts)
 
 
-def stage_keys(base: tuple, opts: BuildOptions) -> dict[str, str]:
+def stage_keys(base: tuple, opts: BuildOptions, prompts: list[str]) -> dict[str, str]:
     """Stage name -> key of what it is made from (a stage reruns when its key changes)."""
-    from clover_export.engines.calibration import read_prompts
-
     keys = {f"export-{d}": _key("export", d, *base) for d in ("fp32", "bf16")}
     if opts.precision == "fp8":
-        keys["calibrate"] = _key("calibrate", read_prompts(opts.calib), *base)
+        keys["calibrate"] = _key("calibrate", prompts, *base)
         keys["fp8-weights"] = _key("fp8-weights", *base)
         for name in ("onnx-fp8", "onnx-fp8-bf16"):
             keys[f"quantize-{name}"] = _key("quantize", name, keys["calibrate"], keys["fp8-weights"])
@@ -298,12 +393,6 @@ def plan_disk_for(out: Path, cfg, model_dir: Path, opts: BuildOptions, keys: dic
                                           for n in ("onnx-fp8", "onnx-fp8-bf16"))
     engine = None if engine_blocker(opts.precision) else (0 if opts.strip_weights else weight_bytes(cfg, opts.precision))
     return plan_disk(out, cfg, model_dir, opts.precision, opts.weights, todo, engine)
-
-
-def require_space(plan) -> None:
-    from clover_export.engines.disk_plan import require_space as require
-
-    require(plan)
 
 
 def validation_mode(cfg, opts: BuildOptions) -> tuple[bool, str]:
@@ -376,13 +465,14 @@ def record_fp8_weights(stages, key: str, weights, sec: float) -> None:
 
 
 def fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, log, keys, whole, res,
-               writer=None, shared: dict | None = None) -> Path:
+               writer=None, shared: dict | None = None, *, prompts) -> Path:
     """Calibrate, the FP8 weights, both FP8 graphs, their checks. fp32_graph(), bf16_graph(): the graphs'
     folders, asked for after the calibration (background exports may run until then). shared: weights the
-    slice read, taken over by the streamed calibration (emptied here either way)."""
-    from clover_export.engines.calibration import HELDOUT_PROMPTS, agreement, prompt_batch, read_prompts
+    slice read, taken over by the streamed calibration (emptied here either way). prompts: the calibration
+    prompts tokenised (`calibration.PromptBatch`, made by `check_inputs`)."""
+    from clover_export.engines.calibration import HELDOUT_PROMPTS, agreement
     from clover_export.engines.fp8 import calibrate, quantize_graph
-    prompts = read_prompts(opts.calib)
+
     calib_key = keys["calibrate"]
     if stages.done("calibrate", calib_key, None):
         amax = stages.result("calibrate")["amax"]
@@ -397,12 +487,12 @@ def fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, 
         if shared:
             shared.clear()  # held by the model now (on a GPU: copied there, the host copies go)
         try:
-            amax = calibrate(model_dir, prompt_batch(model_dir, prompts, block_size), block_size, model=model)
+            amax = calibrate(model_dir, prompts, block_size, model=model)
         finally:
             model.stream_progress.close()
-        log(f"[calibrate] {len(prompts)} prompts, {len(amax)} activation ranges in {time.perf_counter() - t:.1f} s "
+        log(f"[calibrate] {len(prompts.ids)} prompts, {len(amax)} activation ranges in {time.perf_counter() - t:.1f} s "
             f"(layer by layer on {next(iter(model.lm_head.parameters())).device})")
-        stages.record("calibrate", calib_key, {"amax": amax, "prompts": len(prompts)})
+        stages.record("calibrate", calib_key, {"amax": amax, "prompts": len(prompts.ids)})
         res.ran.append("calibrate")
         del model
         gc.collect()  # the streamed model's hooks hold it in reference cycles: its arenas go now, not at exit
@@ -466,9 +556,6 @@ def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, lo
     from clover_export.exporter.artifact import load_artifact
 
     art = load_artifact(graph)
-    if art.weights_mode == "map":  # TensorRT reads external data from files beside the graph (STEP_GRAPH.md 2)
-        raise CloverError("build", f"{graph.name} has map-mode weights (the checkpoint referenced in place through "
-                          "weights.json): TensorRT cannot parse or refit them", "build again with --weights link or copy")
     facts = collect()
     why = engine_blocker(opts.precision, facts)
     if why:

@@ -57,8 +57,9 @@ def plans_lines(plans: dict) -> list[str]:
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Batch rows per step = cache slots.")
 @click.option("--max-context", type=int, default=None, help="Cached positions per slot (default: the model's max_context).")
 @click.option("--chunk", type=int, default=256, show_default=True, help="Prefill chunk (causal rows per step).")
-@click.option("--weights", type=click.Choice(["link", "map", "copy"]), default="link", show_default=True,
-              help="How the graphs reference the checkpoint (see `clover-export export --help`).")
+@click.option("--weights", type=click.Choice(["link", "copy"]), default="link", show_default=True,
+              help="How the graphs reference the checkpoint (see `clover-export export --help`; not map: TensorRT "
+                   "reads the weights from files beside the graph).")
 @click.option("--calib", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Calibration prompts for fp8 (one per line, or a JSON list); default: a small built-in set.")
 @click.option("--gpu-memory", type=float, default=None, help="GPU memory in GiB for the memory plan (default: the GPU's).")
@@ -75,15 +76,19 @@ def build(model, out, precision, max_batch, max_context, chunk, weights, calib, 
           require_engine, allow_qwen, force, validation):
     """Turn MODEL into validated ONNX graphs and a TensorRT engine.
 
-    Stages: memory plan -> export (fp32 and bf16 step graphs) -> ONNX Runtime
+    First everything the stages need is checked (config, checkpoint headers,
+    OUT, memory and disk plans; for fp8 the tokenizer and calibration
+    prompts; TensorRT with --require-engine): every problem is reported at
+    once, one line each, and nothing is written.
+
+    Stages: export (fp32 and bf16 step graphs) -> ONNX Runtime
     validation against the reference model -> (fp8: calibrate, quantise,
     measure top-1 agreement with the fp32 graph; below 97% the build fails
     with the figures; compare the TensorRT-bound twin with it) -> TensorRT
     engine. Where TensorRT or a GPU is missing the engine stage is skipped
     with the reason and the command still succeeds (unless --require-engine).
 
-    At the real model's size: a disk plan refuses up front when OUT's
-    filesystem is too small; no weight is converted into a new file (the
+    At the real model's size: no weight is converted into a new file (the
     fp32 graph casts the bf16 shards in the graph); FP8 weights are written
     once and shared by both FP8 graphs; calibration streams the model layer
     by layer; where the whole graph does not fit in memory, the first layer

@@ -1,6 +1,7 @@
 """Disk plan of a build: bytes each stage will write vs free space on OUT's filesystem (issue 11).
 
-Printed and checked right after the memory plan, before anything is written.
+Checked with everything else `build` needs before anything is written
+(`build.check_inputs`): a plan that does not fit is one problem line.
 Stages already done with the same inputs (resume) write nothing. The
 figures: graphs and manifests (`GRAPH_BYTES`, a generous bound: the 35B
 graph proto is ~10 MB), shard copies under `--weights copy`, zero-filled
@@ -15,7 +16,6 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clover_export.errors import CloverError
 from clover_export.sizing import GiB
 
 GRAPH_BYTES = 64 * 2**20  # one step graph + manifest + weight map (bound)
@@ -99,9 +99,13 @@ def plan_disk(out: Path, cfg, model_dir: Path, precision: str, weights: str, tod
     return plan
 
 
-def require_space(plan: DiskPlan) -> None:
+def shortfall(plan: DiskPlan) -> str | None:
+    """One line saying that and by how much the build does not fit on OUT's filesystem; None when it fits."""
     if plan.fits:
-        return
-    raise CloverError("build", "not enough free disk space for this build:\n" + "\n".join(plan.lines()),
-                      f"free {(plan.total + MARGIN - plan.free) / GiB:.1f} GiB on that filesystem, or choose "
-                      "--out on one with more room (nothing was written)")
+        return None
+    writes = ", ".join(f"{name} {n / GiB:.2f} GiB" for name, n in plan.stages.items() if n)
+    return (f"not enough free disk space for this build in {plan.out}: it writes {plan.total / GiB:.2f} GiB "
+            f"({writes}), {plan.free / GiB:.2f} GiB free with {MARGIN / GiB:.0f} GiB kept free; "
+            f"free {(plan.total + MARGIN - plan.free) / GiB:.1f} GiB there, or choose --out on a filesystem with "
+            "more room")
+

@@ -113,10 +113,8 @@ def plan_memory(cfg: CloverConfig, precision: str, max_batch: int, max_context: 
     )
 
 
-def require_fit(plan: MemoryPlan) -> None:
-    """Raise with the numbers and what to change when the plan does not fit."""
-    if plan.fits is not False:
-        return
+def fit_advice(plan: MemoryPlan) -> str:
+    """What to change so that a plan that does not fit does."""
     advice = []
     nb = plan.max_batch_that_fits()
     if nb >= 1:
@@ -128,7 +126,20 @@ def require_fit(plan: MemoryPlan) -> None:
         advice.append(f"--max-context {ctx}")
     if plan.precision == "bf16":
         advice.append("--precision fp8")
-    raise CloverError(
-        "build", "the engine does not fit in GPU memory:\n" + "\n".join(plan.lines()),
-        "try " + " or ".join(advice) if advice else "the weights alone exceed this GPU",
-    )
+    return "try " + " or ".join(advice) if advice else "the weights alone exceed this GPU"
+
+
+def shortfall(plan: MemoryPlan) -> str | None:
+    """One line saying that and by how much the plan does not fit, with the advice; None when it fits."""
+    if plan.fits is not False:
+        return None
+    return (f"the engine does not fit in GPU memory: {plan.total / GiB:.2f} GiB planned ({plan.precision}, batch "
+            f"{plan.max_batch}, context {plan.max_context}), GPU usable {plan.usable / GiB:.2f} GiB "
+            f"({100 * (1 - HEADROOM):.0f}% of {plan.gpu_bytes / GiB:.1f} GiB); {fit_advice(plan)}")
+
+
+def require_fit(plan: MemoryPlan) -> None:
+    """Raise with the numbers and what to change when the plan does not fit."""
+    if plan.fits is not False:
+        return
+    raise CloverError("build", "the engine does not fit in GPU memory:\n" + "\n".join(plan.lines()), fit_advice(plan))
