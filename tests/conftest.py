@@ -1,22 +1,63 @@
-"""Shared fixtures: generated model folders are made once per test session."""
+"""Shared fixtures: generated model folders are made once per test session, in a temporary cache folder
+that goes with the session."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-# generated fixtures (the embedded default too) go to a per-session cache, never ~/.cache
-os.environ.setdefault("CLOVER_EXPORT_CACHE", tempfile.mkdtemp(prefix="clover-test-cache-"))
+CACHE_ENV = "CLOVER_EXPORT_CACHE"
+CACHE_PREFIX = "clover-test-cache-"
+_session_cache: str | None = None  # the cache folder this process made (None: the caller's, or a parent's)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def sweep_stale_caches(tmp: Path) -> None:
+    """Cache folders of earlier sessions that were killed (no pytest_unconfigure ran): their process is gone."""
+    for d in tmp.glob(f"{CACHE_PREFIX}*"):
+        m = re.fullmatch(re.escape(CACHE_PREFIX) + r"(\d+)-\w+", d.name)
+        if m and d.is_dir() and not _alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def pytest_configure(config):
-    """Tiny models on 2 shared cores: torch's intra-op threads spin and make small ops many times slower."""
+    """Generated fixtures (the embedded default too) go to a per-session cache folder, never ~/.cache; made
+    here, before collection, so every import and subprocess sees it, and named after this process, so that a
+    later session removes it if this one is killed. Under xdist the controller makes it and the workers
+    inherit it. Tiny models on 2 shared cores: torch's intra-op threads spin and make small ops many times
+    slower, so torch runs one."""
+    global _session_cache
+    if CACHE_ENV not in os.environ:
+        sweep_stale_caches(Path(tempfile.gettempdir()))
+        _session_cache = tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-")
+        os.environ[CACHE_ENV] = _session_cache
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    """The session's cache folder goes with the session (a CLOVER_EXPORT_CACHE set by the caller stays)."""
+    global _session_cache
+    if _session_cache is not None:
+        shutil.rmtree(_session_cache, ignore_errors=True)
+        if os.environ.get(CACHE_ENV) == _session_cache:
+            del os.environ[CACHE_ENV]
+        _session_cache = None
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +110,13 @@ def tok(tiny_dir):
     from clover_export.runtime.tokenizer import ChatTokenizer
 
     return ChatTokenizer(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_export(tiny_dir, tmp_path_factory) -> Path:
+    """An fp32 export of the embedded default (batch 1), for tests that need any real export folder."""
+    from clover_export.exporter.export import export
+
+    out = tmp_path_factory.mktemp("tiny-export") / "onnx-fp32"
+    export(tiny_dir, out, dtype="fp32", max_batch=1)
+    return out

@@ -7,6 +7,7 @@ Slow: the twins take two exports and a calibration (~1 min here).
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -17,9 +18,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from clover_export.engines import calibration, fp8
 from clover_export.engines.fp8_twins import compare_twins, find_twin, require_twins
+from clover_export.engines.fp8_weights import FP8_BIN
 from clover_export.errors import CloverError
 from clover_export.exporter.artifact import load_artifact
 from clover_export.exporter.export import export
+from clover_export.exporter.weights import logical_name
+from clover_export.sizing import fp8_weight_names
 
 pytestmark = pytest.mark.slow
 
@@ -127,6 +131,112 @@ def test_a_difference_between_the_twins_is_caught(twins, tmp_path, change):
     with pytest.raises(CloverError, match="differs from its onnx-fp8 twin") as e:
         require_twins(twins[0], bad)
     assert "onnx-fp8-bf16 (the graph TensorRT builds from)" in str(e.value)
+
+
+# --- a fault in every kind of tensor, not only the first one the graph holds ------------------------------------
+def kind_of(name: str) -> str:
+    """An initializer's kind: its name without the layer index (and an activation scale's layer tag)."""
+    return re.sub(r"layers\.\d+\.", "layers.N.", re.sub(r"@L\d+\.", "@LN.", name))
+
+
+def layer_of(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.|@L(\d+)\.", name)
+    return int(next(g for g in m.groups() if g is not None)) if m else -1
+
+
+def last_of_each_kind(proto, select) -> dict[str, onnx.TensorProto]:
+    """kind -> its instance in the last layer that has one (the first is where a skipped check shows up least)."""
+    out: dict[str, onnx.TensorProto] = {}
+    for t in proto.graph.initializer:
+        if select(t) and layer_of(t.name) >= layer_of(out.get(kind_of(t.name), t).name):
+            out[kind_of(t.name)] = t
+    return out
+
+
+def in_fp8_file(t: onnx.TensorProto) -> bool:
+    return t.data_location == TensorProto.EXTERNAL and any(
+        e.key == "location" and Path(e.value).name == FP8_BIN for e in t.external_data)
+
+
+def in_checkpoint(t: onnx.TensorProto) -> bool:
+    return t.data_location == TensorProto.EXTERNAL and not in_fp8_file(t)
+
+
+def rewrite_tensor_bytes(folder: Path, t: onnx.TensorProto, change) -> None:
+    """change(bytearray) on the bytes of external tensor `t` in `folder`'s copy of its file."""
+    ext = {e.key: e.value for e in t.external_data}
+    path, off, n = folder / ext["location"], int(ext.get("offset", 0)), int(ext["length"])
+    data = bytearray(path.read_bytes())
+    chunk = bytearray(data[off:off + n])
+    change(chunk)
+    data[off:off + n] = chunk
+    path.unlink()  # possibly a hard link of the twin's file: write a new one
+    path.write_bytes(bytes(data))
+
+
+def flip_middle_byte(chunk: bytearray) -> None:
+    chunk[len(chunk) // 2] ^= 0x01
+
+
+def nudge_middle_float(chunk: bytearray) -> None:
+    a = np.frombuffer(bytes(chunk), np.float32).copy()
+    a[len(a) // 2] = np.nextafter(a[len(a) // 2], np.float32(np.inf))  # one ulp: byte-equality, not a tolerance
+    chunk[:] = a.tobytes()
+
+
+def reported_initializers(rep) -> set[str]:
+    return {m.group(1) for d in rep.differences if (m := re.match(r"initializer (\S+): ", d))}
+
+
+def test_a_fault_in_every_fp8_weight_and_scale_kind_is_caught(twins, tmp_path, tiny_dir):
+    """One fault in the middle of the last layer's tensor of every kind the FP8 weight file holds: the e4m3
+    weights of every GEMM, the routed experts' included, and their fp32 scales. Every one is reported."""
+    from clover_export.config import load_config
+
+    faulted: list[str] = []
+
+    def change(proto, folder):
+        for t in last_of_each_kind(proto, in_fp8_file).values():
+            fp8_bytes = t.data_type == TensorProto.FLOAT8E4M3FN
+            rewrite_tensor_bytes(folder, t, flip_middle_byte if fp8_bytes else nudge_middle_float)
+            faulted.append(logical_name(t.name))
+
+    bad = mutated(twins, tmp_path, change)
+    gemms = {kind_of(n) for n in fp8_weight_names(load_config(tiny_dir))}  # independent: what FP8 quantises
+    assert {kind_of(n) for n in faulted} == {g + sfx for g in gemms for sfx in (".fp8", ".scale")}
+    assert any(".mlp.experts." in n for n in faulted)
+    rep = compare_twins(twins[0], bad)
+    assert reported_initializers(rep) == set(faulted) and len(rep.differences) == len(faulted), rep.differences
+
+
+def test_a_changed_activation_scale_of_every_kind_is_caught(twins, tmp_path):
+    """Each kind of inline activation scale, doubled in its last layer (exact in fp32 and bf16): a difference."""
+    base = onnx.load(str(twins[1] / "model.onnx"), load_external_data=False)
+    kinds = last_of_each_kind(base, lambda t: t.name.endswith(".act_scale"))
+    assert len(kinds) >= 4, sorted(kinds)
+    for i, (kind, chosen) in enumerate(sorted(kinds.items())):
+        def doubled(proto, _):
+            t = next(t for t in proto.graph.initializer if t.name == chosen.name)
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 2, t.name))
+
+        (tmp_path / str(i)).mkdir()
+        assert compare_twins(twins[0], mutated(twins, tmp_path / str(i), doubled)).differences, kind
+
+
+def test_a_reshaped_checkpoint_weight_of_every_kind_is_caught(twins, tmp_path):
+    """The weights both twins read from the checkpoint (norms, router, GDN, embedding, lm_head): compared by name
+    and shape (their values are validated against the reference model with each export)."""
+    faulted: list[str] = []
+
+    def change(proto, _):
+        for t in last_of_each_kind(proto, in_checkpoint).values():
+            t.dims[0] += 1
+            faulted.append(logical_name(t.name))
+
+    bad = mutated(twins, tmp_path, change)
+    assert {kind_of(n) for n in faulted} >= {"model.layers.N.mlp.gate.weight", "model.norm.weight", "lm_head.weight"}
+    rep = compare_twins(twins[0], bad)
+    assert reported_initializers(rep) == set(faulted), rep.differences
 
 
 def test_extra_casts_are_not_a_difference(twins, tmp_path):

@@ -149,12 +149,20 @@ def test_export_refuses_a_user_folder_and_deletes_nothing(tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temp folder left beside it
 
 
-def test_quantize_refuses_a_user_folder(tiny_dir, tmp_path):
-    """The FP8 rewrite follows the same rule (the build passes force=True for its own folders)."""
+def test_quantize_refuses_a_user_folder(tiny_fp32_export, tmp_path, monkeypatch):
+    """The FP8 rewrite follows the same rule, before any work (the build passes force=True for its own
+    folders): a real export as the source, so the refusal can only be the output policy's."""
+    from clover_export.engines import fp8_weights
     from clover_export.engines.fp8 import quantize_graph
 
-    src = earlier_export(tmp_path / "src")
+    def no_work(*a, **k):
+        raise AssertionError("the FP8 weights were quantised before OUT was checked")
+
+    monkeypatch.setattr(fp8_weights, "quantize_weights", no_work)
     files = user_folder(tmp_path / "mine")
-    with pytest.raises(CloverError):
-        quantize_graph(src, tmp_path / "mine", {}, force=True)
+    with pytest.raises(CloverError) as e:
+        quantize_graph(tiny_fp32_export, tmp_path / "mine", {}, force=True)
+    assert str(e.value).startswith(f"[quantize] --out {tmp_path / 'mine'} is not empty and is not an FP8 graph")
+    assert "notes-0.txt" in str(e.value)
     assert untouched(tmp_path / "mine", files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary folder beside it

@@ -73,15 +73,18 @@ BAD_PARAMS = [  # (parameters, the name the error must carry); vocabulary size o
     (dict(eos_token_id=[2.5]), "eos_token_id"), (dict(eos_token_id="<|im_end|>"), "eos_token_id"),
     (dict(temperature=math.nan), "temperature"), (dict(temperature=-1.0), "temperature"),
     (dict(temperature=math.inf), "temperature"), (dict(temperature="hot"), "temperature"),
+    (dict(temperature=0.0), "temperature"),  # greedy is do_sample=False; the selector divides by it
     (dict(top_k=2.5), "top_k"), (dict(top_k=-1), "top_k"), (dict(top_k=True), "top_k"),
     (dict(top_p=1.01), "top_p"), (dict(top_p=math.nan), "top_p"), (dict(top_p=-0.1), "top_p"),
     (dict(threshold=math.nan), "threshold"), (dict(threshold="0.5"), "threshold"), (dict(threshold=0.0), "threshold"),
+    (dict(threshold=1.5), "threshold"),
     (dict(dllm_length_penalty_start=-1), "dllm_length_penalty_start"),
     (dict(dllm_think_end_start=-5), "dllm_think_end_start"),
     (dict(dllm_length_penalty_window=0), "dllm_length_penalty_window"),
     (dict(dllm_think_end_window=-1), "dllm_think_end_window"),
     (dict(dllm_length_penalty=-1.0), "dllm_length_penalty"),
     (dict(dllm_think_end_bias=math.inf), "dllm_think_end_bias"),
+    (dict(dllm_think_end_bias=-1.0), "dllm_think_end_bias"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=math.nan), "presence_penalty"),
     (dict(frequency_penalty=-2.1), "frequency_penalty"),
     (dict(max_new_tokens=2.0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
@@ -111,8 +114,16 @@ def test_bad_parameter_is_rejected_at_submit_naming_it(shared, params, name):
     assert not shared.loop.has_work() and not shared.handles and shared.calls == []
 
 
-def test_generator_serves_after_rejections(shared):
-    assert shared.generate(PROMPT, max_new_tokens=4).response_tokens <= 4
+def test_generator_serves_after_rejections(model, tiny_dir):
+    """Every rejection above, then a request: it gets the very tokens a fresh generator gives."""
+    gen = make(model, tiny_dir)
+    for params, _ in BAD_PARAMS:
+        with pytest.raises(CloverError):
+            gen.submit(**({} if "prompt_ids" in params else {"prompt": PROMPT}), **params)
+    kw = dict(eos_token_id=[1], threshold=0.5, max_new_tokens=8)  # no end token early: runs to the limit
+    got, fresh = gen.generate(PROMPT, **kw), make(model, tiny_dir).generate(PROMPT, **kw)
+    assert (got.response_tokens, got.finish_reason) == (8, "length")
+    assert got.token_ids == fresh.token_ids and got.text == fresh.text
 
 
 def test_edges_of_the_ranges_are_accepted(model, tiny_dir):
