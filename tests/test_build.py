@@ -199,3 +199,19 @@ def test_engine_bound_folders_carry_the_trt_graph_and_pass_check(built):
     # the default context (>= 2048 pool positions) splits attention over the prefix (launch.attention_split_cap)
     assert ops == {"BlockGDN", "BlockAttentionSplit", "BlockAttentionMerge", "MoERoute", "MoEAlign", "MoEGateUpFP8",
                    "MoEDownFP8", "MoECombine"}
+
+
+def test_disk_plan_counts_a_small_checkpoint_copied_in_link_mode(tmp_path):
+    """`--weights link` copies a checkpoint up to COPY_BELOW where the filesystem has no reflinks (exports.md):
+    the plan counts those bytes for each graph (a full-size checkpoint, linked, counts none: test_build_fullsize)."""
+    from clover_export.config import load_config
+    from clover_export.engines.disk_plan import checkpoint_bytes, plan_disk
+    from clover_export.exporter.artifact import COPY_BELOW
+    from clover_export.models import resolve_model_dir
+
+    model = resolve_model_dir("tiny")
+    shards = checkpoint_bytes(model)
+    assert 0 < shards <= COPY_BELOW
+    link = plan_disk(tmp_path, load_config(model), model, "bf16", "link", {}, None)
+    copy = plan_disk(tmp_path, load_config(model), model, "bf16", "copy", {}, None)
+    assert link.stages == copy.stages and link.stages["export-bf16"] >= shards

@@ -197,7 +197,7 @@ def test_missing_trt_graph_fails_for_bf16(bf16_export, tmp_path):
 
 
 def test_map_mode_cannot_reach_tensorrt(bf16_export, tmp_path):
-    from clover_export.engines.build import BuildOptions, BuildResult, Stages, engine_stage
+    from clover_export.engines.build import BuildOptions, build
     from clover_export.exporter.export import export
 
     model, _ = bf16_export
@@ -207,8 +207,10 @@ def test_map_mode_cannot_reach_tensorrt(bf16_export, tmp_path):
     fails = _fails(out)
     assert len(fails) == 1 and "map mode" in fails[0] and "--weights link or copy" in fails[0]
     assert not any("refit" in str(f) for f in check_folder(out).findings)  # no refit-from-the-map path exists
-    with pytest.raises(CloverError, match="map-mode weights.*TensorRT cannot parse or refit"):
-        engine_stage(tmp_path, out, None, BuildOptions(), 64, (), Stages(tmp_path), BuildResult(tmp_path), print)
+    # a build refuses map-mode weights before its first stage, and writes nothing
+    with pytest.raises(CloverError, match="map mode references the checkpoint in place, which TensorRT cannot"):
+        build(model, tmp_path / "b", BuildOptions(precision="bf16", weights="map"), print)
+    assert not (tmp_path / "b").exists()
 
 
 # ----------------------------------------------------------------- versions, broken installs
@@ -253,7 +255,7 @@ def broken_tensorrt(tmp_path, monkeypatch):
 
 
 def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_export, tmp_path):
-    from clover_export.engines.build import BuildOptions, BuildResult, Stages, engine_stage
+    from clover_export.engines.build import BuildOptions, build
     from clover_export.engines.tensorrt_build import import_tensorrt, probe_tensorrt
 
     assert probe_tensorrt() == (None, f"ImportError: {BROKEN}")

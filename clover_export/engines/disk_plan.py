@@ -85,7 +85,11 @@ def plan_disk(out: Path, cfg, model_dir: Path, precision: str, weights: str, tod
               engine_bytes: int | None) -> DiskPlan:
     """`todo`: stage name -> whether it will run (False: reused); `engine_bytes`: None when no engine is built."""
     plan = DiskPlan(Path(out), free_bytes(out))
-    shards = checkpoint_bytes(model_dir) if weights == "copy" else 0
+    from clover_export.exporter.artifact import COPY_BELOW
+
+    ckpt = checkpoint_bytes(model_dir)
+    # link mode copies a small checkpoint where the filesystem has no reflinks (exports.md): counted either way
+    shards = ckpt if weights == "copy" or ckpt <= COPY_BELOW else 0
     for dtype, nbytes in (("fp32", 4), ("bf16", 2)):
         plan.stages[f"export-{dtype}"] = GRAPH_BYTES + shards + zero_filled_bytes(cfg, nbytes)
     if precision == "fp8":
