@@ -21,6 +21,11 @@ parameter, raises CloverError before any compute. A request that fails later
 `error` is set, iterating or waiting on it raises that CloverError, and the
 other requests go on. A Generator is driven from one thread: every `next()`
 on a stream (or `wait`) steps all queued requests.
+
+Prefix reuse (docs/prefix_cache.md) is on by default: a request whose prompt
+starts like an earlier or running request's sequence resumes from its caches
+(`Result.cached_tokens`); `prefix_cache=False` turns it off, `prefix_cache_gb`
+bounds the GDN state snapshots it keeps.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from clover_export.generation import GenerationSettings, load_generation_setting
 from clover_export.runtime.backends import Backend, default_backend, open_backend
 from clover_export.runtime.loop import BlockEvent, Loop
 from clover_export.runtime.output import Result, StreamChunk, TextTracker
+from clover_export.runtime.prefix_cache import DEFAULT_BUDGET_GB, PrefixCache
 from clover_export.runtime.request import Request
 from clover_export.runtime.runner import Runner
 from clover_export.runtime.scheduler import Scheduler
@@ -133,6 +139,7 @@ class Stream:
             tokens_per_forward=len(ids) / req.denoise_steps if req.denoise_steps else 0.0,
             forwards_per_block=s["forwards_per_block"], distinct_experts_per_block=s["distinct_experts_per_block"],
             wall_time_s=time.perf_counter() - self.started, prompt_ids=list(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
             error=str(self.error) if req.error is not None else None,
         )
         self.gen.handles.pop(self.request_id, None)
@@ -144,7 +151,7 @@ class Generator:
 
     def __init__(self, backend: Backend, source_dir: str | Path, *, max_slots: int = 4,
                  max_context: int | None = None, prefill_chunk: int = 256, fold_commit: bool = True,
-                 early_stop: bool = True):
+                 early_stop: bool = True, prefix_cache: bool = True, prefix_cache_gb: float = DEFAULT_BUDGET_GB):
         cfg = backend.cfg
         self.backend, self.cfg = backend, cfg
         self.mask_id = cfg.require_mask_token()
@@ -162,15 +169,20 @@ class Generator:
         im_end = self.tokenizer.im_end_id
         self.extra_end_ids = frozenset([im_end] if im_end is not None else [])
         self.runner = Runner(backend, max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
+        if not prefix_cache_gb >= 0:
+            raise CloverError("runtime", f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
+        self.prefix_cache = PrefixCache(self.runner, int(prefix_cache_gb * 2**30), self.block_size) \
+            if prefix_cache else None
         scheduler = Scheduler(max_slots, self.block_size, prefill_chunk, fold_commit, early_stop,
-                              shapes=getattr(backend, "step_shapes", None))
+                              shapes=getattr(backend, "step_shapes", None), cache=self.prefix_cache)
         self.loop = Loop(scheduler, self.runner)
         self.handles: dict[int, Stream] = {}
 
     @classmethod
     def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
              max_slots: int = 4, max_context: int | None = None, prefill_chunk: int = 256,
-             fold_commit: bool = True, early_stop: bool = True, **backend_options: Any) -> "Generator":
+             fold_commit: bool = True, early_stop: bool = True, prefix_cache: bool = True,
+             prefix_cache_gb: float = DEFAULT_BUDGET_GB, **backend_options: Any) -> "Generator":
         """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once.
 
         backend_options go to the backend: torch takes dtype ("auto", "fp32",
@@ -180,12 +192,13 @@ class Generator:
         folder or None, exported into the cache on first use). CPU threads follow
         runtime/threads.py; the caller's torch.get_num_threads() is left as it was.
         backend None: `backends.default_backend` (ort for an artifact, triton on a CUDA GPU
-        without TensorRT, else torch).
+        without TensorRT, else torch). prefix_cache / prefix_cache_gb: see the module docstring.
         """
         backend = backend or default_backend(model_or_artifact, backend_options.get("device"))
         be = open_backend(backend, model_or_artifact, **backend_options)
         return cls(be, be.source_dir, max_slots=max_slots, max_context=max_context, prefill_chunk=prefill_chunk,
-                   fold_commit=fold_commit, early_stop=early_stop)
+                   fold_commit=fold_commit, early_stop=early_stop, prefix_cache=prefix_cache,
+                   prefix_cache_gb=prefix_cache_gb)
 
     # --- requests ----------------------------------------------------------------
     def settings(self, **params: Any) -> GenerationSettings:

@@ -85,7 +85,7 @@ class Loop:
 
     def step(self) -> list[BlockEvent]:
         events = []
-        for req in self.scheduler.admit():
+        for req in self.scheduler.admit_each():
             try:
                 self.runner.claim(req)
             except Exception as e:  # noqa: BLE001 - any failure of one request fails that request only

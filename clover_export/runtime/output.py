@@ -41,6 +41,7 @@ class Result:
     wall_time_s: float
     prompt_ids: list[int] = field(default_factory=list, repr=False)
     error: str | None = None  # why the request failed (finish_reason "error")
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (not computed): docs/prefix_cache.md
 
     @property
     def reasoning(self) -> str:

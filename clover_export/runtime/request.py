@@ -50,6 +50,10 @@ class Request:
     counts: Counter = field(default_factory=Counter)  # occurrences of each token in `response`
     finish_reason: str | None = None
     error: Exception | None = None  # why the request failed (finish_reason "error"); see loop.py
+    # prefix reuse (runtime/prefix_cache.py)
+    cached_tokens: int = 0  # prompt tokens resumed from another request's caches, not computed
+    resume: Any = None  # prefix_cache.Resume for Runner.claim, set when the request is placed
+    cuts: set[int] = field(default_factory=set)  # positions its prefill chunks end at (points for others)
 
     # --- counters (DECODING.md 4 report) ------------------------------------
     denoise_steps: int = 0
@@ -125,6 +129,7 @@ class Request:
         steps = self.denoise_steps
         return {
             "prompt_tokens": self.prompt_len,
+            "cached_tokens": self.cached_tokens,
             "response_tokens": len(self.response),
             "denoise_steps": steps,
             "blocks": self.blocks,

@@ -28,6 +28,8 @@ from clover_export.runtime.selector import choose, fill
 # observer(plan, logits [B, N, V]) sees a copy of the raw block logits of every step (tests, debugging)
 Observer = Callable[[StepPlan, torch.Tensor], None]
 STATE_POOLS = (".conv_state", ".recurrent_state")  # the pools a step overwrites below past_len (GDN states)
+KV_POOLS = (".key", ".value")  # attention K/V [S, Hkv, L, hd]: rows below past_len are never rewritten
+LAST_ROW = "last_row"  # key of the logits_shift row in a saved state
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Runner:
     @torch.inference_mode()
     def claim(self, req: Request) -> None:
         """Fresh per-slot state for a newly admitted request (recurrent states zeroed; K/V past
-        past_len are never read)."""
+        past_len are never read), or the caches it resumes from (`req.resume`, runtime/prefix_cache.py)."""
         s, settings = req.slot, req.params
         ends = sorted(req.end_ids)
         # host-side checks of a request that may have bypassed Generator.submit (an id outside the
@@ -72,11 +74,14 @@ class Runner:
         for what, ids in (("end token", ends), ("prompt token", req.prompt_ids + req.prefill_ids)):
             if any(not 0 <= t < vocab for t in ids):
                 raise CloverError("runtime", f"{what} ids are not all in the vocabulary (size {vocab})")
-        for name, pool in self.pools.items():
-            if not name.endswith((".key", ".value")):
-                pool[s].zero_()
-        if self.last_row is not None:
-            self.last_row[s].zero_()
+        if req.resume is not None:
+            self.resume(s, req.resume)
+        else:
+            for name, pool in self.pools.items():
+                if not name.endswith(KV_POOLS):
+                    pool[s].zero_()
+            if self.last_row is not None:
+                self.last_row[s].zero_()
         if len(ends) > self.end_ids.shape[1]:  # more end tokens than ever before: widen the table
             wider = torch.full((self.end_ids.shape[0], len(ends)), -1, dtype=torch.long, device=self.device)
             wider[:, :self.end_ids.shape[1]] = self.end_ids
@@ -88,6 +93,33 @@ class Runner:
             self.generators[s] = torch.Generator(device=self.device).manual_seed(seed)
         else:
             self.generators[s] = None
+
+    # --- prefix reuse (runtime/prefix_cache.py) --------------------------------------------
+    @torch.inference_mode()
+    def save_state(self, slot: int) -> tuple[dict[str, torch.Tensor], int]:
+        """A copy of the slot's GDN states (and logits_shift row): what resuming after its `past_len`
+        tokens needs besides the K/V rows; with its size in bytes."""
+        saved = {name: pool[slot].clone() for name, pool in self.pools.items() if name.endswith(STATE_POOLS)}
+        if self.last_row is not None:
+            saved[LAST_ROW] = self.last_row[slot].clone()
+        return saved, sum(t.numel() * t.element_size() for t in saved.values())
+
+    @torch.inference_mode()
+    def resume(self, slot: int, r) -> None:
+        """Slot `slot` takes K/V rows [0, r.length) from slot `r.source` (unless it is the same slot) and
+        the GDN states at r.length: `r.saved`, else the source's live ones (`prefix_cache.Resume`)."""
+        for name, pool in self.pools.items():
+            if r.source != slot and name.endswith(KV_POOLS):
+                pool[slot, :, :r.length].copy_(pool[r.source, :, :r.length])
+        if r.saved is not None:
+            for name, t in r.saved.items():
+                (self.last_row if name == LAST_ROW else self.pools[name])[slot].copy_(t)
+        elif r.source != slot:
+            for name, pool in self.pools.items():
+                if name.endswith(STATE_POOLS):
+                    pool[slot].copy_(pool[r.source])
+            if self.last_row is not None:
+                self.last_row[slot].copy_(self.last_row[r.source])
 
     @torch.inference_mode()
     def snapshot(self, plan: StepPlan) -> Snapshot:

@@ -6,7 +6,10 @@ the previous block folded into the next block's first denoise step, or a
 denoise block) and lays them out as flat int lists: per batch row, C causal
 rows (the first `n_causal` valid, left-aligned, padded) then `block_size`
 block rows, with C the most causal rows any row has this step. After the
-runner has filled positions, `update` moves each request on.
+runner has filled positions, `update` moves each request on. With a prefix
+cache (runtime/prefix_cache.py) a new request may resume from another's
+caches: it starts at `past_len` > 0 and its prefill chunks may end early at
+`cuts` (points other requests resume from).
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING, Iterator
+
 from clover_export.runtime.request import Phase, Request
+
+if TYPE_CHECKING:
+    from clover_export.runtime.prefix_cache import PrefixCache
 
 PAD_ID = 0  # token id of padding causal rows (never read: n_causal excludes them)
 
@@ -63,7 +71,8 @@ class Scheduler:
     """Slots, admission, per-step layout and state transitions."""
 
     def __init__(self, num_slots: int, block_size: int, prefill_chunk: int = 256,
-                 fold_commit: bool = True, early_stop: bool = True, shapes: list[StepShape] | None = None):
+                 fold_commit: bool = True, early_stop: bool = True, shapes: list[StepShape] | None = None,
+                 cache: "PrefixCache | None" = None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.block_size = block_size
@@ -76,7 +85,8 @@ class Scheduler:
             for b in range(1, top + 1):
                 if max(s.max_causal for s in self.shapes if s.max_batch >= b) < block_size:
                     raise ValueError(f"no step shape takes {b} rows with a {block_size}-row commit")
-        self.free_slots = list(range(num_slots))[::-1]
+        self.cache = cache
+        self.free_slots = list(range(num_slots))[::-1]  # slots no running request holds (parked ones too)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._turn = 0  # rotation when an engine takes fewer rows than are running
@@ -101,21 +111,32 @@ class Scheduler:
         if req.slot is not None:
             self.free_slots.append(req.slot)
         req.phase = Phase.FINISHED
+        if self.cache is not None:
+            self.cache.release(req)
 
     def admit(self) -> list[Request]:
         """Give free slots to waiting requests (FIFO); returns the newly admitted ones."""
-        admitted = []
-        while self.waiting and self.free_slots:
-            req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()
-            if req.prefill_ids:
+        return list(self.admit_each())
+
+    def admit_each(self) -> Iterator[Request]:
+        """`admit`, one request at a time: the caller claims each before the next is placed, so a later
+        one may resume from caches the claim filled. With a prefix cache, a request that waits for a
+        running one's prefill (prefix_cache.PrefixCache.waits_for) stays queued and later ones go first."""
+        for req in list(self.waiting):
+            if not self.free_slots:
+                return
+            if self.cache is None:
+                req.slot = self.free_slots.pop()
+            elif not self.cache.place(req, self.free_slots, self.running):
+                continue
+            self.waiting.remove(req)
+            if req.prefill_pos < len(req.prefill_ids):
                 req.phase = Phase.PREFILL
             else:
                 req.new_block()
                 req.phase = Phase.DENOISE
             self.running.append(req)
-            admitted.append(req)
-        return admitted
+            yield req
 
     # --- one step ------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -150,7 +171,8 @@ class Scheduler:
     def _rows(self, req: Request, chunk_len: int) -> tuple[list[int], list[int] | None]:
         """(causal tokens, block tokens or None) of one request for the next step."""
         if req.phase is Phase.PREFILL:
-            chunk = req.prefill_ids[req.prefill_pos: req.prefill_pos + chunk_len]
+            pos = req.prefill_pos
+            chunk = req.prefill_ids[pos: min([pos + chunk_len] + [c for c in req.cuts if c > pos])]
             last = req.prefill_pos + len(chunk) == len(req.prefill_ids)
             if last and self.fold_commit:  # last prefill chunk folded into the first denoise step
                 if not req.block:
@@ -169,10 +191,14 @@ class Scheduler:
         """
         resolved = []
         for r, req in enumerate(plan.requests):
-            if req.finished:  # cancelled while the step ran
-                continue
             n_causal = plan.n_causal[r]
+            if req.finished:  # cancelled while the step ran: its states moved past its parked sequence
+                if self.cache is not None and n_causal:
+                    self.cache.invalidate(req.slot)
+                continue
             req.past_len += n_causal
+            if self.cache is not None and n_causal:
+                self.cache.advanced(req, n_causal, prefill=req.phase is Phase.PREFILL)
             if req.phase is Phase.PREFILL:
                 req.prefill_pos += n_causal
                 if req.prefill_pos < len(req.prefill_ids):
