@@ -143,7 +143,7 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
     the weights are quantised here (for this one graph)."""
     from clover_export.engines.fp8_weights import load_fp8_weights, quantize_weights
     from clover_export.outdir import claim_dir, commit_dir
-    from clover_export.exporter.artifact import load_artifact, read_weight_map
+    from clover_export.exporter.artifact import COPY_BELOW, load_artifact, read_weight_map
     from clover_export.exporter.weights import copy_file, link_file
 
     art = load_artifact(src_dir)
@@ -170,7 +170,8 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
             weights = load_fp8_weights(Path(weights)) if isinstance(weights, (str, Path)) else weights
             index = weights.index
             try:
-                link_file(weights.bin.resolve(), tmp / rel)
+                if link_file(weights.bin.resolve(), tmp / rel, copy_up_to=COPY_BELOW) == "copy":
+                    report.bytes_written = (tmp / rel).stat().st_size
             except OSError:  # another filesystem: one copy for this folder
                 report.bytes_written = copy_file(weights.bin, tmp / rel)
         new_nodes: list[onnx.NodeProto] = []
@@ -302,6 +303,7 @@ def _replace_nodes(g, nodes) -> None:
 def _link_source_files(g, src_dir: Path, dst_dir: Path) -> dict[str, str]:
     """Give the new folder every in-folder file the remaining initializers read: reflink or hard link
     (zero copy), else copy. ONNX and ONNX Runtime only read external data inside the model's folder."""
+    from clover_export.exporter.artifact import COPY_BELOW
     from clover_export.exporter.weights import copy_file, link_file
 
     how = {}
@@ -314,7 +316,7 @@ def _link_source_files(g, src_dir: Path, dst_dir: Path) -> dict[str, str]:
         dst = dst_dir / loc
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
-            how[loc] = link_file((src_dir / loc).resolve(), dst)
+            how[loc] = link_file((src_dir / loc).resolve(), dst, copy_up_to=COPY_BELOW)
         except OSError:
             copy_file((src_dir / loc).resolve(), dst)
             how[loc] = "copy"

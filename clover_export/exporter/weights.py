@@ -181,13 +181,17 @@ def hardlink(src: Path, dst: Path) -> None:
     os.link(src, dst)
 
 
-def link_file(src: Path, dst: Path) -> str:
-    """Reflink, else hard-link `src` (already resolved) to `dst`: "reflink" | "hardlink"; OSError if neither."""
+def link_file(src: Path, dst: Path, copy_up_to: int = 0) -> str:
+    """Reflink, else copy a file of at most `copy_up_to` bytes (loads in every tool), else hard-link `src`
+    (already resolved) to `dst`: "reflink" | "copy" | "hardlink"; OSError if none can be made."""
     try:
         reflink(src, dst)
         return "reflink"
     except OSError:
         pass
+    if src.stat().st_size <= copy_up_to:
+        copy_file(src, dst)
+        return "copy"
     hardlink(src, dst)
     return "hardlink"
 
