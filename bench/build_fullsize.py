@@ -175,8 +175,8 @@ def main() -> None:
             if not args.keep:
                 shutil.rmtree(work / "build-bf16")
         if args.only in (None, "fp8"):
-            from clover_export.engines.disk_plan import fp8_weight_file_bytes
-            from clover_export.sizing import weight_bytes
+            from clover_export.pipeline.disk_plan import fp8_weight_file_bytes
+            from clover_export.model.sizing import weight_bytes
 
             cfg = full_size_config()
             fp8_file = fp8_weight_file_bytes(cfg)
@@ -205,14 +205,14 @@ def main() -> None:
 
 def fp8_weights_only(ckpt: Path, work: Path) -> None:
     """The FP8 weight stage of `build` alone (as a subprocess) next to a plain write of the same bytes."""
-    from clover_export.engines.disk_plan import fp8_weight_file_bytes
+    from clover_export.pipeline.disk_plan import fp8_weight_file_bytes
 
     nbytes = fp8_weight_file_bytes(full_size_config())
     plain = plain_write(work / "plain-write.bin", nbytes)
     print(f"plain sequential write of {nbytes / GiB:.2f} GiB: {plain:.1f} s ({nbytes / plain / 2**20:.0f} MiB/s)")
-    code = ("import sys, time, os; from pathlib import Path; from clover_export.config import load_config; "
-            "from clover_export.checkpoint import locate_tensors, plan_tensors; "
-            "from clover_export.sizing import fp8_weight_names; from clover_export.engines.fp8_weights import quantize_weights; "
+    code = ("import sys, time, os; from pathlib import Path; from clover_export.core.config import load_config; "
+            "from clover_export.core.checkpoint import locate_tensors, plan_tensors; "
+            "from clover_export.model.sizing import fp8_weight_names; from clover_export.quantize.weights import quantize_weights; "
             "m = Path(sys.argv[1]); cfg = load_config(m); plans = plan_tensors(cfg, locate_tensors(m)); "
             "w = quantize_weights(plans, fp8_weight_names(cfg), Path(sys.argv[2])); "
             "f = os.open(w.bin, os.O_RDONLY); os.fsync(f); print('written', w.bytes_written)")

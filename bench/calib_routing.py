@@ -32,13 +32,13 @@ import resource, sys, time
 from pathlib import Path
 import torch
 if sys.argv[2] == "spread":  # random hidden states and router at the MoE: which experts run is what costs
-    import clover_export.engines.stream_calib as sc
+    import clover_export.quantize.stream_calib as sc
     real, g = sc.routed_moe_core, torch.Generator().manual_seed(0)
     sc.routed_moe_core = lambda x, w, *a: real(torch.randn(x.shape, generator=g, dtype=x.dtype),
                                                torch.randn(w.shape, generator=g, dtype=w.dtype), *a)
-from clover_export.engines.calibration import prompt_batch, read_prompts
-from clover_export.engines.fp8 import calibrate
-from clover_export.engines.stream_calib import streamed_model
+from clover_export.quantize.calibration import prompt_batch, read_prompts
+from clover_export.quantize.graph import calibrate
+from clover_export.quantize.stream_calib import streamed_model
 m = Path(sys.argv[1])
 t = time.perf_counter()
 model = streamed_model(m, 32)

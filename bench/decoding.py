@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from clover_export.models import resolve_model_dir
+from clover_export.model.loading import resolve_model_dir
 from clover_export.train import tasks
 from clover_export.train.data import ChatCodec
 
@@ -65,7 +65,7 @@ def runtime_available(backend: str) -> str | None:
     except ImportError as e:
         return f"clover_export.runtime not available ({e})"
     try:
-        __import__(f"clover_export.runtime.backends.{backend}_backend")
+        __import__(f"clover_export.backends.{backend}_backend")
     except ImportError as e:
         return f"runtime backend {backend!r} not available ({e})"
     return None

@@ -5,7 +5,7 @@ planted-skew (Zipf) router, bf16 experts then FP8 experts (quantised at
 load): step time of a denoise step (32 block rows), a commit + denoise step
 (32 causal + 32 block rows) and an AR step (one row, plain top-8: the same
 weights as a block-size-1 engine), each beside its bound by PERF.md 1
-(`clover_export.perf_bound`; experts = the union selected by any row, as
+(`clover_export.model.perf_bound`; experts = the union selected by any row, as
 counted in an uncaptured run of the same step). Then tokens/s: block
 diffusion at tokens-per-forward 1, 2.55, 3.19 (one step of every block
 carries the folded commit) beside AR, and compiled vs eager: the eager
@@ -39,10 +39,12 @@ if "--dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
-from clover_export import names, perf_bound  # noqa: E402
-from clover_export.config import config_from_dict  # noqa: E402
+from clover_export.core import names  # noqa: E402
+
+from clover_export.model import perf_bound
+from clover_export.core.config import config_from_dict  # noqa: E402
 from clover_export.model.model import CloverModel, Cores, init_random_  # noqa: E402
-from clover_export.runtime.backends.torch_backend import in_place_cores  # noqa: E402
+from clover_export.backends.torch_backend import in_place_cores  # noqa: E402
 from clover_export.testing.cuda import copy_bandwidth, init_random_on_device_  # noqa: E402
 from clover_export.testing.fullsize import full_size_config  # noqa: E402
 
@@ -245,8 +247,8 @@ def main(argv=None):
 
     def engines(fp8: bool):
         """The block engine (buckets: batches x C in {0, N}) and the AR engine (block 1, C = 0), same weights."""
-        from clover_export.runtime.backends.fp8_experts import quantise_at_load
-        from clover_export.runtime.backends.triton_backend import TritonBackend
+        from clover_export.backends.fp8_experts import quantise_at_load
+        from clover_export.backends.triton_backend import TritonBackend
 
         state.clear()
         gc.collect()  # the old graphs (a backend <-> graphs cycle) and their memory pool

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from clover_export.engines import calibration, fp8
-from clover_export.exporter.artifact import load_artifact
+from clover_export.quantize import calibration, graph as fp8
+from clover_export.artifact.manifest import load_artifact
 
 
 def main(build_dir: str, factors: list[float]) -> None:

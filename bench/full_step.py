@@ -2,7 +2,7 @@
 
 Needs a CUDA GPU with ~80 GB free (weights 69 GB in bf16). Prints the step time of the eager
 plain-torch cores, of the kernels (eager launch and CUDA-graph replay), their ratio, the logit
-agreement, and the bytes-read bound by PERF.md 1 (`clover_export.perf_bound`: dense weights, per layer
+agreement, and the bytes-read bound by PERF.md 1 (`clover_export.model.perf_bound`: dense weights, per layer
 the union of the experts selected by any row of the step, the embedding as gathered rows only, K/V and
 GDN states) at the measured copy bandwidth.
 
@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from clover_export import names, perf_bound
+from clover_export.core import names
+
+from clover_export.model import perf_bound
 from clover_export.model.model import CloverModel, Cores, allocate_pools
 from clover_export.testing.cuda import init_random_on_device_
 from clover_export.testing.fullsize import full_size_config
@@ -94,10 +96,10 @@ def main():
             model.step(inputs, work)
         res["kernel_graph_ms"] = 1e3 * timed(graph.replay, 10)
     res["speedup_graph_vs_eager"] = res["eager_ms"] / res["kernel_graph_ms"]
-    # bytes the step must read, by PERF.md 1 (clover_export.perf_bound): dense weights, the union of the
+    # bytes the step must read, by PERF.md 1 (clover_export.model.perf_bound): dense weights, the union of the
     # experts selected by any row of the step per layer (counted in one uncaptured kernel step), the
     # embedding as gathered rows, K/V read up to past_len plus the step's own, GDN states read and written
-    from clover_export.runtime.backends.triton_backend import KernelMoE, kernel_cores
+    from clover_export.backends.triton_backend import KernelMoE, kernel_cores
 
     counting = KernelMoE(None)
     counting.n_causal, counting.selected = inputs[names.N_CAUSAL], []

@@ -21,7 +21,7 @@ The steps run the triton backend's kernels (`variant_cores(product_flags())`).
 Writes $OUT/step_bound_<gpu>.json (rewritten after every scenario: one failure
 keeps the others) and $OUT/step_bound_<gpu>_profile.txt; a GPU run from the
 repository also copies both to bench/results/. The bytes follow PERF.md 1
-through `clover_export.perf_bound` (reported as dense incl. lm_head, embedding
+through `clover_export.model.perf_bound` (reported as dense incl. lm_head, embedding
 rows, experts, K/V, GDN state).
 """
 
@@ -44,8 +44,10 @@ if "--dry-run" in sys.argv:  # the interpreter must be on before triton is impor
 
 import torch  # noqa: E402
 
-from clover_export import names, perf_bound  # noqa: E402
-from clover_export.engines.quantize import dequantize, quantize_weight  # noqa: E402
+from clover_export.core import names  # noqa: E402
+
+from clover_export.model import perf_bound
+from clover_export.quantize.scales import dequantize, quantize_weight  # noqa: E402
 from clover_export.model.model import CloverModel, allocate_pools  # noqa: E402
 from clover_export.model.moe import moe_core  # noqa: E402
 from clover_export.testing.cuda import copy_bandwidth, graph_ms  # noqa: E402

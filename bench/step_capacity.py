@@ -25,7 +25,7 @@ from pathlib import Path
 
 def model_folder(root: Path, max_context: int) -> Path:
     """The embedded default with config max_context = `max_context` (other files linked)."""
-    from clover_export.models import resolve_model_dir
+    from clover_export.model.loading import resolve_model_dir
 
     src = resolve_model_dir("tiny")
     out = root / f"tiny-ctx{max_context}"

@@ -63,7 +63,7 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     """The embedded default model folder."""
-    from clover_export.models import resolve_model_dir
+    from clover_export.model.loading import resolve_model_dir
 
     return resolve_model_dir("tiny")
 
@@ -80,7 +80,7 @@ def tiny_fp32_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_fp32_dir):
-    from clover_export.models import load_model
+    from clover_export.model.loading import load_model
 
     return load_model(tiny_fp32_dir)
 
@@ -99,7 +99,7 @@ def model(tiny_dir):
     """The embedded (trained) default as an fp32 reference model."""
     import torch
 
-    from clover_export.models import load_model
+    from clover_export.model.loading import load_model
 
     return load_model(tiny_dir, dtype=torch.float32)
 
@@ -107,7 +107,7 @@ def model(tiny_dir):
 @pytest.fixture(scope="session")
 def tok(tiny_dir):
     """The embedded default's tokenizer and chat template."""
-    from clover_export.runtime.tokenizer import ChatTokenizer
+    from clover_export.model.tokenizer import ChatTokenizer
 
     return ChatTokenizer(tiny_dir)
 

@@ -33,7 +33,7 @@ CASE = "lin3full"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from clover_export.models import load_model
+    from clover_export.model.loading import load_model
 
     hf, folder, _ = build(CASE, tmp_path_factory)
     hf16 = transformers.Qwen3_5MoeForCausalLM(hf.config).eval()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from clover_export.model.model import allocate_pools, init_random_
-from clover_export.models import build_model
+from clover_export.model.loading import build_model
 from clover_export.tiny import tiny_config
 from reference_literal import literal_step
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from onnx import TensorProto
 
-from clover_export.engines import build as B
-from clover_export.engines import fp8_weights
-from clover_export.errors import CloverError
+from clover_export.pipeline import build as B
+from clover_export.quantize import weights as fp8_weights
+from clover_export.core.errors import CloverError
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 OPTS = dict(precision="fp8", max_batch=2, max_context=64, chunk=16, validation="slice")
@@ -46,8 +46,8 @@ def resumed(model, tmp_path_factory):
             raise KeyboardInterrupt
         return real(w)
 
-    from clover_export.engines import stream_calib
-    from clover_export.names import EMBED, LM_HEAD
+    from clover_export.quantize import stream_calib
+    from clover_export.core.names import EMBED, LM_HEAD
 
     streamed, handed = stream_calib.streamed_model, [[], []]  # per build: what each streamed model was handed
 
@@ -103,7 +103,7 @@ def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model
     import threading
     import time
 
-    from clover_export.engines import fp8
+    from clover_export.quantize import graph as fp8
 
     out, logs = tmp_path / "out", [[], []]
     real_q = fp8_weights.quantize_weight
@@ -187,9 +187,10 @@ def test_fp8_weights_written_once_and_shared(resumed):
 
 def test_fp8_graph_from_shared_weights_matches_the_per_graph_quantisation(resumed, tmp_path):
     """The fp32-activation FP8 graph built from the shared file computes what a stand-alone rewrite computes."""
-    from clover_export.engines.fp8 import quantize_graph
-    from clover_export.exporter.artifact import load_artifact, ort_session
-    from clover_export.exporter.validate import NUM_SLOTS, initial_pools, make_feeds, pool_len, scenario
+    from clover_export.quantize.graph import quantize_graph
+    from clover_export.artifact.manifest import load_artifact
+    from clover_export.exporter.session import ort_session
+    from clover_export.verify.validate import NUM_SLOTS, initial_pools, make_feeds, pool_len, scenario
 
     out, _, _ = resumed
     amax = json.loads((out / "build.json").read_text())["stages"]["calibrate"]["result"]["amax"]
@@ -216,13 +217,13 @@ def test_slice_hands_its_embedding_and_lm_head_to_the_streamed_calibration(model
     """The slice's reference reads the embedding (as stored) and the fp32 lm_head; the streamed calibration
     after it takes those tensors (not read, cast and paged in again: 3 GiB at full size) and calibrates
     exactly as when it reads them itself; a tensor not as the model keeps it is read instead."""
-    from clover_export.checkpoint import load_state_dict
-    from clover_export.config import load_config
-    from clover_export.engines.calibration import BUILTIN_PROMPTS, prompt_batch
-    from clover_export.engines.fp8 import calibrate
-    from clover_export.engines.stream_calib import streamed_model
-    from clover_export.exporter import slice as S
-    from clover_export.names import EMBED, LM_HEAD
+    from clover_export.core.checkpoint import load_state_dict
+    from clover_export.core.config import load_config
+    from clover_export.quantize.calibration import BUILTIN_PROMPTS, prompt_batch
+    from clover_export.quantize.graph import calibrate
+    from clover_export.quantize.stream_calib import streamed_model
+    from clover_export.verify import slice as S
+    from clover_export.core.names import EMBED, LM_HEAD
 
     keep: dict = {}
     assert S.validate_slices(model, tmp_path / "w", 8, 16, 2, keep=keep).passed
@@ -248,7 +249,7 @@ def test_slice_hands_its_embedding_and_lm_head_to_the_streamed_calibration(model
 def test_slice_validation_catches_a_wrong_layer(model, tmp_path, monkeypatch):
     """The slice holds the first GDN (0) and attention (1) layers; the graph gets layer 3's attention weights
     in place of layer 1's: the GDN state still matches, the attention layer's K/V and the logits do not."""
-    from clover_export.exporter import slice as S
+    from clover_export.verify import slice as S
 
     good = S.validate_slices(model, tmp_path / "w", 8, 16, 2)
     assert (good.layers, good.passed) == ([0, 1], True), good.report
@@ -262,8 +263,8 @@ def test_slice_validation_catches_a_wrong_layer(model, tmp_path, monkeypatch):
 
 
 def test_auto_validation_picks_slices_when_the_whole_graph_does_not_fit(model, monkeypatch):
-    from clover_export.config import load_config
-    from clover_export.exporter import slice as S
+    from clover_export.core.config import load_config
+    from clover_export.verify import slice as S
 
     cfg = load_config(model)
     monkeypatch.setattr(S, "available_memory", lambda: 10 * S.whole_validation_bytes(cfg))
@@ -275,9 +276,9 @@ def test_auto_validation_picks_slices_when_the_whole_graph_does_not_fit(model, m
 
 # --- calibration ----------------------------------------------------------------------------
 def test_layer_streamed_calibration_equals_whole_model_calibration(model):
-    from clover_export.engines.calibration import BUILTIN_PROMPTS, calibration_steps, prompt_batch
-    from clover_export.engines.fp8 import calibrate
-    from clover_export.engines.stream_calib import resident_layers, streamed_model
+    from clover_export.quantize.calibration import BUILTIN_PROMPTS, calibration_steps, prompt_batch
+    from clover_export.quantize.graph import calibrate
+    from clover_export.quantize.stream_calib import resident_layers, streamed_model
 
     whole_steps = calibration_steps(model, BUILTIN_PROMPTS[:4], 8)
     whole = calibrate(model, whole_steps, 8)
@@ -298,7 +299,7 @@ def test_layer_streamed_calibration_equals_whole_model_calibration(model):
     assert len(loads) == 2 * len(streamed.model.layers)  # two passes over the weights: prefill, denoise
     assert len(heads) == 1 and "logits" not in vars(streamed)  # the denoise step's logits are not computed
     # ... unless the lm_head is quantised too: then both steps' inputs to it count
-    from clover_export.models import load_model
+    from clover_export.model.loading import load_model
 
     whole_model, seen_head = load_model(model, torch.float32, block_size=8), []
     whole_model.lm_head.register_forward_pre_hook(lambda m, a: seen_head.append(float(a[0].abs().max())))
@@ -318,12 +319,12 @@ def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
     every layer reuses (experts, and the other weights cast in two more), its experts used from there (views,
     no copy); the read-ahead gives the same
     calibration as reading each layer on entry, and both the same as the whole model."""
-    from clover_export.engines.calibration import BUILTIN_PROMPTS, prompt_batch
-    from clover_export.engines.fp8 import calibrate
-    from clover_export.engines.stream_calib import streamed_model
+    from clover_export.quantize.calibration import BUILTIN_PROMPTS, prompt_batch
+    from clover_export.quantize.graph import calibrate
+    from clover_export.quantize.stream_calib import streamed_model
 
-    from clover_export.checkpoint import load_state_dict
-    from clover_export.config import load_config
+    from clover_export.core.checkpoint import load_state_dict
+    from clover_export.core.config import load_config
     from clover_export.tiny import write_model_folder
 
     ckpt = write_model_folder(tmp_path / "per-expert", load_state_dict(model, load_config(model)),
@@ -353,7 +354,7 @@ def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
 
 
 def test_routed_moe_core_equals_the_dense_core():
-    from clover_export.engines.stream_calib import routed_moe_core
+    from clover_export.quantize.stream_calib import routed_moe_core
     from clover_export.model.moe import moe_core
 
     g = torch.Generator().manual_seed(0)
@@ -371,7 +372,7 @@ def test_routed_moe_core_equals_the_dense_core():
 def test_routed_moe_core_casts_stored_experts_exactly(blocks):
     """bf16 experts (fused, or per expert as row blocks, as a per-expert checkpoint is read) under an fp32
     model: each expert cast into reused buffers gives the dense core on the fp32 casts, every expert routed."""
-    from clover_export.engines.stream_calib import routed_moe_core
+    from clover_export.quantize.stream_calib import routed_moe_core
     from clover_export.model.moe import moe_core
 
     g = torch.Generator().manual_seed(1)
@@ -387,8 +388,8 @@ def test_routed_moe_core_casts_stored_experts_exactly(blocks):
 
 
 def test_streamed_layers_hold_one_layer_at_a_time(model):
-    from clover_export.engines.calibration import BUILTIN_PROMPTS, calibration_steps
-    from clover_export.engines.stream_calib import resident_layers, streamed_model
+    from clover_export.quantize.calibration import BUILTIN_PROMPTS, calibration_steps
+    from clover_export.quantize.stream_calib import resident_layers, streamed_model
 
     streamed = streamed_model(model, 8, device="cpu")
     during = []
@@ -404,7 +405,7 @@ def test_streamed_layers_hold_one_layer_at_a_time(model):
 def test_zero_and_constant_tensors_get_finite_scales(tmp_path):
     from safetensors.torch import save_file
 
-    from clover_export.checkpoint import read_header, TensorPlan
+    from clover_export.core.checkpoint import read_header, TensorPlan
 
     tensors = {"zero": torch.zeros(3, 4, 8, dtype=torch.bfloat16), "const": torch.full((5, 8), -2.5, dtype=torch.bfloat16),
                "mixed": torch.cat([torch.zeros(2, 8), torch.randn(2, 8)]).to(torch.bfloat16)}
@@ -428,7 +429,7 @@ def test_zero_and_constant_tensors_get_finite_scales(tmp_path):
 
 # --- disk plan ------------------------------------------------------------------------------
 def test_disk_plan_refuses_up_front_with_the_figures(model, tmp_path, monkeypatch):
-    from clover_export.engines import disk_plan
+    from clover_export.pipeline import disk_plan
 
     monkeypatch.setattr(disk_plan, "free_bytes", lambda path: 100 * 2**20)
     out = tmp_path / "out"
@@ -443,8 +444,8 @@ def test_disk_plan_refuses_up_front_with_the_figures(model, tmp_path, monkeypatc
 
 
 def test_disk_plan_counts_fp8_weights_once_and_reused_stages_as_zero(model, tmp_path):
-    from clover_export.config import load_config
-    from clover_export.engines.disk_plan import fp8_weight_file_bytes, plan_disk
+    from clover_export.core.config import load_config
+    from clover_export.pipeline.disk_plan import fp8_weight_file_bytes, plan_disk
 
     cfg = load_config(model)
     plan = plan_disk(tmp_path, cfg, model, "fp8", "link", {}, None)
@@ -521,7 +522,7 @@ def test_fullsize_fp8_build_without_a_tokenizer_fails_in_seconds_writing_nothing
 def test_background_export_hands_back_errors_and_stops_cleanly(model, tmp_path):
     import time
 
-    from clover_export.engines.background import BackgroundExport
+    from clover_export.pipeline.background import BackgroundExport
 
     job = BackgroundExport(model=tmp_path / "missing", out=tmp_path / "a", dtype="bf16")
     with pytest.raises(CloverError) as e:  # crossed the process boundary with its parts
@@ -556,7 +557,7 @@ def test_sparse_holes_quantise_to_zeros_without_reading(tmp_path, monkeypatch):
     """A sparse shard (header, then a hole): SEEK_DATA says hole, nothing is read, q = 0 and scales 1."""
     import struct
 
-    from clover_export.checkpoint import TensorPlan, read_header
+    from clover_export.core.checkpoint import TensorPlan, read_header
 
     shape, n = (4, 1024, 1024), 4 * 1024 * 1024 * 2
     header = json.dumps({"w": {"dtype": "BF16", "shape": list(shape), "data_offsets": [0, n]}}).encode()

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from clover_export.config import config_from_dict, load_config
-from clover_export.errors import CloverError
-from clover_export.generation import GenerationSettings, load_generation_settings
-from clover_export.models import build_model
-from clover_export.sizing import param_counts
+from clover_export.core.config import config_from_dict, load_config
+from clover_export.core.errors import CloverError
+from clover_export.core.generation import GenerationSettings, load_generation_settings
+from clover_export.model.loading import build_model
+from clover_export.model.sizing import param_counts
 from clover_export.tiny import tiny_config_dict
 
 FULL = json.loads(open("clover_export/data/clover_35b_a3b_config.json").read())

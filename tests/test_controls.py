@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clover_export.generation import GenerationSettings
+from clover_export.core.generation import GenerationSettings
 from clover_export.runtime.controls import RowParams, apply_controls_, param_row, ramp, thinking_open
 
 THINK = 2

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from clover_export import direct_io
-from clover_export.checkpoint import TensorReader, locate_tensors, plan_tensors, save_checkpoint
-from clover_export.direct_io import DirectReader, DirectWriter
-from clover_export.errors import CloverError
+from clover_export.core import direct_io
+from clover_export.core.checkpoint import TensorReader, locate_tensors, plan_tensors, save_checkpoint
+from clover_export.core.direct_io import DirectReader, DirectWriter
+from clover_export.core.errors import CloverError
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def shards(tmp_path_factory):
 
 
 def locate_tensors_raw(folder):
-    from clover_export.checkpoint import read_header, shard_files
+    from clover_export.core.checkpoint import read_header, shard_files
 
     return {n: loc for f in shard_files(folder) for n, loc in read_header(f).items()}
 
@@ -45,8 +45,8 @@ def fused_and_per_expert(tmp_path, seed: int):
     weights saved with one tensor per expert."""
     import json
 
-    from clover_export.checkpoint import load_state_dict
-    from clover_export.config import load_config
+    from clover_export.core.checkpoint import load_state_dict
+    from clover_export.core.config import load_config
     from clover_export.tiny import generate_random_tiny, write_model_folder
 
     fused = generate_random_tiny(tmp_path / "fused", seed=seed, num_hidden_layers=2,
@@ -138,7 +138,7 @@ def test_truncated_shard_names_the_file(shards, tmp_path):
 
 def test_streamed_reads_equal_memory_mapped_reads(tmp_path):
     """A per-expert checkpoint: the streamed model's layer state equals TensorReader's (safetensors) tensors."""
-    from clover_export.engines.stream_calib import EXPERTS, expert_weight, streamed_model
+    from clover_export.quantize.stream_calib import EXPERTS, expert_weight, streamed_model
 
     cfg, fused, per = fused_and_per_expert(tmp_path, seed=3)
     for folder in (fused, per):
@@ -216,8 +216,8 @@ def test_write_failure_surfaces_and_leaves_nothing(tmp_path, monkeypatch):
     """A full disk mid-file: the error names the file and says why, and quantize_weights leaves no temp folder."""
     import errno
 
-    from clover_export.checkpoint import TensorLocation, TensorPlan
-    from clover_export.engines import fp8_weights
+    from clover_export.core.checkpoint import TensorLocation, TensorPlan
+    from clover_export.quantize import weights as fp8_weights
 
     state = {"w": torch.randn(64, 32).to(torch.bfloat16)}
     folder = save_checkpoint(state, tmp_path / "ckpt")

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from clover_export.engines.doctor import Facts, capabilities, collect
+from clover_export.pipeline.doctor import Facts, capabilities, collect
 
 
 def rows(f):

@@ -18,12 +18,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from clover_export import names
-from clover_export.checkpoint import locate_tensors
-from clover_export.errors import CloverError
-from clover_export.exporter import artifact as A
-from clover_export.exporter import load_artifact, ort_session
-from clover_export.exporter import validate as V
+from clover_export.core import names
+from clover_export.core.checkpoint import locate_tensors
+from clover_export.core.errors import CloverError
+from clover_export.artifact import manifest as A
+from clover_export.exporter import load_artifact
+from clover_export.exporter.session import ort_session
+from clover_export.verify import validate as V
 from clover_export.exporter import weights as W
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.export import export
@@ -101,7 +102,7 @@ def test_validate_command_reports_every_output(fp32_export, tmp_path):
     results, inputs = load_json(str(tmp_path / "io.json")), load_json(str(tmp_path / "io.inputs.json"))
     assert [r for r, _ in results] == ["reference-torch", "onnxruntime-cpu"]
     assert len(inputs) == len(results[0][1]) and names.INPUT_IDS in inputs[0]
-    from clover_export.outdir import claim_file
+    from clover_export.artifact.outdir import claim_file
 
     for f in ("io.json", "io.inputs.json"):  # recognised as validate's own files: replaced with --force only
         with pytest.raises(CloverError, match="--force"):
@@ -238,7 +239,7 @@ def test_map_mode_feeds_the_mapped_bytes(tiny_fp32_dir, bf16_dir, tmp_path):
     res = export(bf16_dir, tmp_path / "map16", dtype="bf16", weights="map")
     assert res.weights.mode == "map" and res.weights.weight_bytes_written == 0
     assert not (tmp_path / "map16" / "weights").exists()
-    from clover_export.exporter.artifact import _mapped_initializers
+    from clover_export.exporter.session import _mapped_initializers
 
     art = load_artifact(tmp_path / "map16")
     names_, values, arrays = _mapped_initializers(art)
@@ -254,8 +255,8 @@ def test_map_mode_feeds_the_mapped_bytes(tiny_fp32_dir, bf16_dir, tmp_path):
 
 
 def test_per_expert_checkpoint_fuses_experts_with_concat(tiny_fp32_dir, tmp_path):
-    from clover_export.checkpoint import load_state_dict, save_checkpoint
-    from clover_export.config import load_config
+    from clover_export.core.checkpoint import load_state_dict, save_checkpoint
+    from clover_export.core.config import load_config
 
     cfg = load_config(tiny_fp32_dir)
     src = tmp_path / "per_expert"
@@ -277,8 +278,8 @@ def test_unknown_model_folder(tmp_path):
 
 
 def test_checkpoint_missing_a_tensor(tiny_fp32_dir, tmp_path):
-    from clover_export.checkpoint import load_state_dict, save_checkpoint
-    from clover_export.config import load_config
+    from clover_export.core.checkpoint import load_state_dict, save_checkpoint
+    from clover_export.core.config import load_config
 
     state = load_state_dict(tiny_fp32_dir, load_config(tiny_fp32_dir))
     del state["model.layers.2.linear_attn.dt_bias"]

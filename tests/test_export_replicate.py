@@ -11,9 +11,9 @@ import onnx
 import pytest
 import torch
 
-from clover_export import names
+from clover_export.core import names
 from clover_export.exporter import load_artifact
-from clover_export.exporter import validate as V
+from clover_export.verify import validate as V
 from clover_export.exporter.export import export
 
 G, A = "linear_attention", "full_attention"

@@ -22,10 +22,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from clover_export import names
-from clover_export.engines import calibration, fp8
-from clover_export.engines.quantize import quantize_weight
-from clover_export.exporter.artifact import load_artifact, ort_session
+from clover_export.core import names
+from clover_export.quantize import calibration, graph as fp8
+from clover_export.quantize.scales import quantize_weight
+from clover_export.artifact.manifest import load_artifact
+from clover_export.exporter.session import ort_session
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.export import export
 from clover_export.model.moe import moe_core_fp8
@@ -89,7 +90,7 @@ def test_onnxruntime_runs_the_fp8_graph(random_fp8):
 
 
 def test_e4m3_bytes_are_quantize_weight_of_the_source(random_fp8):
-    from clover_export.models import load_model
+    from clover_export.model.loading import load_model
 
     model, _, fp8_dir, _ = random_fp8
     source = load_model(model, torch.float32).state_dict()
@@ -251,7 +252,7 @@ _CHILD = """
 import torch
 from clover_export.plugins import cuda_ops
 from clover_export.model.moe import moe_core_fp8
-from clover_export.engines.quantize import quantize_weight
+from clover_export.quantize.scales import quantize_weight
 cuda_ops.register("cpu")
 g = torch.Generator().manual_seed(4)
 B, T, D, E, I, N = 2, 7, 32, 8, 16, 4

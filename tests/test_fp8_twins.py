@@ -16,14 +16,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from clover_export.engines import calibration, fp8
-from clover_export.engines.fp8_twins import compare_twins, find_twin, require_twins
-from clover_export.engines.fp8_weights import FP8_BIN
-from clover_export.errors import CloverError
-from clover_export.exporter.artifact import load_artifact
+from clover_export.quantize import calibration, graph as fp8
+from clover_export.verify.twins import compare_twins, find_twin, require_twins
+from clover_export.quantize.weights import FP8_BIN
+from clover_export.core.errors import CloverError
+from clover_export.artifact.manifest import load_artifact
 from clover_export.exporter.export import export
 from clover_export.exporter.weights import logical_name
-from clover_export.sizing import fp8_weight_names
+from clover_export.model.sizing import fp8_weight_names
 
 pytestmark = pytest.mark.slow
 
@@ -191,7 +191,7 @@ def reported_initializers(rep) -> set[str]:
 def test_a_fault_in_every_fp8_weight_and_scale_kind_is_caught(twins, tmp_path, tiny_dir):
     """One fault in the middle of the last layer's tensor of every kind the FP8 weight file holds: the e4m3
     weights of every GEMM, the routed experts' included, and their fp32 scales. Every one is reported."""
-    from clover_export.config import load_config
+    from clover_export.core.config import load_config
 
     faulted: list[str] = []
 

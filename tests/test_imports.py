@@ -49,6 +49,83 @@ def reaches(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | No
 
 def test_models_and_the_embedded_default_import_each_other_one_way_only():
     graph = import_graph()
-    assert "clover_export.tiny" in graph["clover_export.models"]  # resolve_model_dir("tiny")
-    for mod in ("clover_export.models", "clover_export.tiny"):
+    assert "clover_export.tiny" in graph["clover_export.model.loading"]  # resolve_model_dir("tiny")
+    for mod in ("clover_export.model.loading", "clover_export.tiny"):
         assert reaches(graph, mod, mod) is None, " -> ".join(reaches(graph, mod, mod))
+
+
+# The packages as the pipeline, lowest first (docs/architecture.md): each may import only from itself and
+# the layers before it. `tiny` (the embedded default model) sits with `model`; `testing` (fixtures of tests
+# and benchmarks) at the top with `train`.
+LAYERS = (("core",), ("artifact",), ("model", "tiny"), ("plugins",), ("exporter",), ("quantize",), ("tensorrt",),
+          ("backends",), ("verify",), ("pipeline",), ("runtime",), ("serve",), ("cli",), ("train", "testing"))
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return len(LAYERS)  # the package's own __init__: the public surface, above everything
+    for i, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return i
+    raise AssertionError(f"{module}: in no layer of LAYERS (add its package there)")
+
+
+def backward_edges(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if layer_of(b) > layer_of(a))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_every_package_imports_only_from_earlier_layers():
+    assert backward_edges(import_graph()) == []
+
+
+def test_no_import_cycle_in_function_imports_included():
+    assert cycles(import_graph()) == []
+
+
+def test_the_layer_and_cycle_checks_catch_what_they_guard():
+    graph = import_graph()
+    late = dict(graph, **{"clover_export.core.config": graph["clover_export.core.config"] | {"clover_export.runtime.loop"}})
+    assert backward_edges(late) == ["clover_export.core.config -> clover_export.runtime.loop"]
+    loop = dict(graph, **{"clover_export.model.gdn": graph["clover_export.model.gdn"] | {"clover_export.model.model"}})
+    assert any({"clover_export.model.gdn", "clover_export.model.model"} <= set(c) for c in cycles(loop))

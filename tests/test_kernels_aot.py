@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from clover_export.config import CloverConfig  # noqa: E402
+from clover_export.core.config import CloverConfig  # noqa: E402
 from clover_export.plugins.contracts import BLOCK_ATTENTION, BLOCK_GDN  # noqa: E402
 from clover_export.plugins.triton import aot, launch  # noqa: E402
 from clover_export.tiny import tiny_config  # noqa: E402
@@ -287,8 +287,8 @@ def test_shared_expert_joins_the_grouped_gemms_where_it_can():
     import torch
 
     from clover_export.plugins.triton import ops
-    from clover_export.runtime.backends.fp8_experts import Fp8Experts
-    from clover_export.runtime.backends.triton_backend import KernelMoE, kernel_cores
+    from clover_export.backends.fp8_experts import Fp8Experts
+    from clover_export.backends.triton_backend import KernelMoE, kernel_cores
 
     assert REAL.moe_intermediate_size == REAL.shared_expert_intermediate_size == 512
     assert kernel_cores(KernelMoE(None), REAL).moe_block is not None

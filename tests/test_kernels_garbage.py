@@ -292,7 +292,7 @@ MOE = dict(B=2, T=3, K=2, E=4, D=32, I=16)
 def moe_values(op: str, seed=0):
     import torch
 
-    from clover_export.engines.quantize import quantize_weight
+    from clover_export.quantize.scales import quantize_weight
     from clover_export.plugins.contracts import MOE_SUBOPS
 
     d = MOE

@@ -156,7 +156,7 @@ def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=
              hot=False):
     import torch
 
-    from clover_export.engines.quantize import dequantize, quantize_weight
+    from clover_export.quantize.scales import dequantize, quantize_weight
     from clover_export.model.moe import moe_core
     from clover_export.plugins.triton.ops import coreset_moe
 
@@ -229,7 +229,7 @@ def moe_fp8_f16_case(act_dtype="float32", seed=7, B=2, Tc=3, N=5, D=64, E=8, I=3
     of the float64 reference, rows far outside fp16's range (1e6 x: overflow, 1e-3 x: subnormals) included."""
     import torch
 
-    from clover_export.engines.quantize import dequantize, quantize_weight
+    from clover_export.quantize.scales import dequantize, quantize_weight
     from clover_export.model.moe import moe_core
     from clover_export.plugins.triton.ops import coreset_moe
 
@@ -259,7 +259,7 @@ def moe_w8a8_case(B=2, Tc=40, N=8, D=64, E=8, I=32, k=2, seed=13):
     import torch
     import torch.nn.functional as F
 
-    from clover_export.engines.quantize import dequantize, quantize_weight
+    from clover_export.quantize.scales import dequantize, quantize_weight
     from clover_export.model import moe_split as ms
     from clover_export.model.moe import moe_core
     from clover_export.plugins.triton.ops import act_quant, coreset_moe

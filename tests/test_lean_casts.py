@@ -13,8 +13,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from clover_export.exporter import load_artifact, ort_session
-from clover_export.exporter import validate as V
+from clover_export.exporter import load_artifact
+
+from clover_export.exporter.session import ort_session
+from clover_export.verify import validate as V
 from clover_export.exporter.export import export
 from clover_export.exporter.lean_casts import lean_graph, weight_casts
 
@@ -24,8 +26,8 @@ LAYERS = ["linear_attention", "full_attention"]
 @pytest.fixture(scope="module")
 def bf16_per_expert(tmp_path_factory):
     """A random 2-layer tiny, bf16, experts stored per expert (the real checkpoint's layout)."""
-    from clover_export.checkpoint import load_state_dict, save_checkpoint
-    from clover_export.config import load_config
+    from clover_export.core.checkpoint import load_state_dict, save_checkpoint
+    from clover_export.core.config import load_config
     from clover_export.tiny import generate_random_tiny
 
     root = tmp_path_factory.mktemp("lean")
@@ -89,9 +91,9 @@ def test_graphs_without_fp32_weight_casts_are_left_alone(bf16_per_expert):
 def test_slices_of_a_per_expert_checkpoint_feed_the_fused_experts_and_pass(bf16_per_expert, tmp_path):
     """Slice validation (issue 11) on the real checkpoint's layout: the lm_head (fp32) and each layer's fused
     bf16 experts are prepared once and fed to ONNX Runtime; the reference reuses them; both agree."""
-    from clover_export.checkpoint import locate_tensors, plan_tensors
-    from clover_export.config import load_config
-    from clover_export.exporter import slice as S
+    from clover_export.core.checkpoint import locate_tensors, plan_tensors
+    from clover_export.core.config import load_config
+    from clover_export.verify import slice as S
 
     src, _ = bf16_per_expert
     cfg = load_config(src)

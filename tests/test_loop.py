@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from clover_export.model.model import allocate_pools
-from clover_export.runtime.backends.torch_backend import TorchBackend
+from clover_export.backends.torch_backend import TorchBackend
 from clover_export.runtime.generator import Generator
 
 

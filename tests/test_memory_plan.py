@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from clover_export.config import config_from_dict
-from clover_export.engines.memory_plan import plan_memory, require_fit
-from clover_export.errors import CloverError
-from clover_export.sizing import GiB
+from clover_export.core.config import config_from_dict
+from clover_export.tensorrt.memory_plan import plan_memory, require_fit
+from clover_export.core.errors import CloverError
+from clover_export.model.sizing import GiB
 from clover_export.tiny import tiny_config
 
 FULL = config_from_dict(json.loads(open("clover_export/data/clover_35b_a3b_config.json").read()))
@@ -26,7 +26,7 @@ def test_full_size_cache_arithmetic_by_hand():
 def test_activations_hold_the_split_attention_partials():
     """TensorRT's BlockAttentionSplit partials: fp32 acc + (m, l) per query row and head at
     launch.attention_partial_rows (2 x 192 SMs x BLOCK_M 64 / 16 heads = 1536 rows at least), by hand."""
-    from clover_export.engines.memory_plan import activation_bytes, attention_partial_bytes
+    from clover_export.tensorrt.memory_plan import activation_bytes, attention_partial_bytes
 
     assert attention_partial_bytes(FULL, 8, 544) == 8 * 1536 * 16 * (256 + 2) * 4  # 544 rows < the floor
     assert attention_partial_bytes(FULL, 8, 4096) == 8 * 4096 * 16 * (256 + 2) * 4
@@ -77,8 +77,8 @@ def test_info_and_doctor_print_the_same_plan(tmp_path):
     import subprocess
     import sys
 
-    from clover_export.engines.cli import gpu_plans
-    from clover_export.engines.doctor import Facts
+    from clover_export.cli.build import gpu_plans
+    from clover_export.pipeline.doctor import Facts
 
     shutil.copy("clover_export/data/clover_35b_a3b_config.json", tmp_path / "config.json")
     out = subprocess.run([sys.executable, "-m", "clover_export.cli", "info", str(tmp_path), "--gpu-memory", "139.8",

@@ -1,4 +1,4 @@
-"""The output policy (clover_export/outdir.py, issue 10 "data loss"): a user's folder is never replaced.
+"""The output policy (clover_export/artifact/outdir.py, issue 10 "data loss"): a user's folder is never replaced.
 
 The policy is tested on its own (fast: folders of a few files), then through `export()`, whose
 refusal comes before any work. The CLI cases (exit 1, one line, files untouched) are in
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from clover_export.errors import CloverError
-from clover_export.exporter.artifact import FORMAT
-from clover_export.outdir import claim_dir, claim_file, commit_dir
+from clover_export.core.errors import CloverError
+from clover_export.artifact.manifest import FORMAT
+from clover_export.artifact.outdir import claim_dir, claim_file, commit_dir
 
 
 def user_folder(path: Path, n: int = 6) -> dict[str, str]:
@@ -152,8 +152,8 @@ def test_export_refuses_a_user_folder_and_deletes_nothing(tiny_dir, tmp_path):
 def test_quantize_refuses_a_user_folder(tiny_fp32_export, tmp_path, monkeypatch):
     """The FP8 rewrite follows the same rule, before any work (the build passes force=True for its own
     folders): a real export as the source, so the refusal can only be the output policy's."""
-    from clover_export.engines import fp8_weights
-    from clover_export.engines.fp8 import quantize_graph
+    from clover_export.quantize import weights as fp8_weights
+    from clover_export.quantize.graph import quantize_graph
 
     def no_work(*a, **k):
         raise AssertionError("the FP8 weights were quantised before OUT was checked")

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from clover_export.engines.quantize import (E4M3_MAX, activation_scale, dequantize, quantize, quantize_weight,
+from clover_export.quantize.scales import (E4M3_MAX, activation_scale, dequantize, quantize, quantize_weight,
                                             relative_error_bound, weight_scales)
 
 

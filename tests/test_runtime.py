@@ -9,11 +9,11 @@ import torch
 from click.testing import CliRunner
 
 from clover_export.cli import main
-from clover_export.errors import CloverError
-from clover_export.models import load_model
-from clover_export.runtime.backends.torch_backend import TorchBackend
+from clover_export.core.errors import CloverError
+from clover_export.model.loading import load_model
+from clover_export.backends.torch_backend import TorchBackend
 from clover_export.runtime.generator import Generator, context_needed
-from clover_export.runtime.tokenizer import ChatTokenizer
+from clover_export.model.tokenizer import ChatTokenizer
 
 
 LOGIT_ATOL = 1e-4

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def models(tiny_dir):
-    from clover_export.models import load_model
+    from clover_export.model.loading import load_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -29,7 +29,7 @@ def models(tiny_dir):
 
 @pytest.fixture(scope="module")
 def tok(tiny_dir):
-    from clover_export.runtime.tokenizer import ChatTokenizer
+    from clover_export.model.tokenizer import ChatTokenizer
 
     return ChatTokenizer(tiny_dir)
 
@@ -37,7 +37,7 @@ def tok(tiny_dir):
 @pytest.mark.parametrize("threshold", [1.0, 0.9])
 @pytest.mark.parametrize("optimised", [True, False])
 def test_cuda_matches_the_literal_reference(models, tiny_dir, tok, threshold, optimised):
-    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.backends.torch_backend import TorchBackend
 
     cpu, gpu = models
     prompt = PROMPTS["short"]
@@ -48,7 +48,7 @@ def test_cuda_matches_the_literal_reference(models, tiny_dir, tok, threshold, op
 
 
 def test_cuda_batch_invariance_and_seeds(models, tiny_dir):
-    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.backends.torch_backend import TorchBackend
     from clover_export.runtime.generator import Generator
 
     gen = Generator(TorchBackend(models[1], tiny_dir), tiny_dir, max_slots=4, prefill_chunk=16)

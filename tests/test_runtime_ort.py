@@ -11,7 +11,8 @@ from test_loop import LONG, PROMPTS, check_same, run_both  # the literal DECODIN
 
 def exporter_api():
     try:
-        from clover_export.exporter import load_artifact, ort_session  # noqa: F401
+        from clover_export.exporter import load_artifact  # noqa: F401
+        from clover_export.exporter.session import ort_session
     except ImportError:
         return None
     from clover_export.exporter.export import export
@@ -32,7 +33,7 @@ def artifact(tiny_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("threshold", [1.0, 0.9])
 def test_ort_matches_the_literal_reference_and_torch(artifact, model, tiny_dir, tok, threshold):
-    from clover_export.runtime.backends.ort_backend import OrtBackend
+    from clover_export.backends.ort_backend import OrtBackend
 
     backend = OrtBackend.load(artifact, providers=["CPUExecutionProvider"])
     # the export carries the tokenizer files, so the artefact alone is enough (the model folder may move)

@@ -118,7 +118,7 @@ def test_finish_frees_the_slot_for_a_waiting_request():
 
 def test_fixed_engine_profiles_pad_cap_and_rotate():
     """TensorRT-style profiles: decode (C = N, up to 2 rows) and prefill (C = 8, one row)."""
-    from clover_export.runtime.scheduler import StepShape
+    from clover_export.backends import StepShape
 
     s = Scheduler(num_slots=3, block_size=N, prefill_chunk=16,
                   shapes=[StepShape(N, N, 2), StepShape(8, 8, 1)])

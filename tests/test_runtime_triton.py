@@ -16,7 +16,7 @@ import traceback
 
 import pytest
 
-from clover_export.errors import CloverError
+from clover_export.core.errors import CloverError
 
 
 # ----------------------------------------------------------------- the checks (run in the child)
@@ -41,11 +41,11 @@ def fp8_case():
     """One step with experts quantised at load (CoresetMoEFP8 kernels) vs the torch backend on the dequantised experts."""
     import torch
 
-    from clover_export import names
-    from clover_export.engines.quantize import dequantize
-    from clover_export.runtime.backends.fp8_experts import expert_names
-    from clover_export.runtime.backends.torch_backend import TorchBackend
-    from clover_export.runtime.backends.triton_backend import TritonBackend
+    from clover_export.core import names
+    from clover_export.quantize.scales import dequantize
+    from clover_export.backends.fp8_experts import expert_names
+    from clover_export.backends.torch_backend import TorchBackend
+    from clover_export.backends.triton_backend import TritonBackend
 
     fp8 = TritonBackend.load(None, device="cpu", fp8_experts=True)
     ref = TorchBackend.load(None, device="cpu", dtype="fp32")
@@ -139,7 +139,7 @@ def test_fp8_experts_quantised_at_load_match_the_reference_on_dequantised_weight
 
 
 def test_cpu_needs_the_interpreter(monkeypatch):
-    from clover_export.runtime.backends.triton_backend import check_target
+    from clover_export.backends.triton_backend import check_target
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(CloverError, match="TRITON_INTERPRET=1"):
@@ -147,7 +147,7 @@ def test_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_bf16_on_the_cpu_and_unknown_dtypes_are_refused(monkeypatch):
-    from clover_export.runtime.backends.triton_backend import check_target
+    from clover_export.backends.triton_backend import check_target
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(CloverError, match="bf16 on cpu"):
@@ -160,7 +160,7 @@ def test_bf16_on_the_cpu_and_unknown_dtypes_are_refused(monkeypatch):
 def test_cuda_without_a_gpu_and_other_devices_are_refused(monkeypatch):
     import torch
 
-    from clover_export.runtime.backends.triton_backend import check_target
+    from clover_export.backends.triton_backend import check_target
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -184,7 +184,7 @@ def test_cli_reports_one_line_for_the_cpu_without_the_interpreter(monkeypatch):
 def test_default_backend_is_triton_on_cuda_without_tensorrt(monkeypatch, tmp_path):
     import importlib.util
 
-    from clover_export.runtime import backends
+    from clover_export import backends
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorrt" else real(n, *a))
@@ -197,7 +197,7 @@ def test_default_backend_is_triton_on_cuda_without_tensorrt(monkeypatch, tmp_pat
 
 
 def test_graphs_only_needs_cuda(monkeypatch):
-    from clover_export.runtime.backends.triton_backend import TritonBackend
+    from clover_export.backends.triton_backend import TritonBackend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(CloverError, match="eager_fallback=False needs CUDA graphs"):
@@ -208,9 +208,9 @@ def test_a_step_past_the_buckets_is_refused_when_graphs_only(monkeypatch):
     """Graphs only: a step no captured bucket holds raises one CloverError naming the shape (no replay)."""
     import torch
 
-    from clover_export import names
-    from clover_export.runtime.backends.cuda_graphs import Bucket, StepGraphs
-    from clover_export.runtime.backends.triton_backend import TritonBackend
+    from clover_export.core import names
+    from clover_export.backends.cuda_graphs import Bucket, StepGraphs
+    from clover_export.backends.triton_backend import TritonBackend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     be = TritonBackend.load(None, device="cpu")
@@ -228,7 +228,7 @@ def test_a_step_past_the_buckets_is_refused_when_graphs_only(monkeypatch):
 
 
 def test_bucket_choice_and_bad_buckets():
-    from clover_export.runtime.backends.cuda_graphs import Bucket, default_buckets, pick
+    from clover_export.backends.cuda_graphs import Bucket, default_buckets, pick
 
     bs = default_buckets(6, 32)
     assert sorted({b.batch for b in bs}) == [1, 2, 4, 6] and sorted({b.causal for b in bs}) == [0, 32]
@@ -247,7 +247,7 @@ def test_bucket_choice_and_bad_buckets():
 def test_fp8_weights_without_scales_are_refused():
     import torch
 
-    from clover_export.runtime.backends.triton_backend import KernelMoE
+    from clover_export.backends.triton_backend import KernelMoE
 
     w = torch.zeros(2, 4, 4, dtype=torch.float8_e4m3fn)
     with pytest.raises(CloverError, match="FP8 expert weights without scales"):
@@ -256,8 +256,8 @@ def test_fp8_weights_without_scales_are_refused():
 
 def test_fp8_artefact_without_scales_is_refused(tmp_path, monkeypatch):
     """An FP8 artefact whose graph lacks an expert scale: one CloverError naming the tensor."""
-    from clover_export.runtime.backends import fp8_experts
-    from clover_export.runtime.backends.triton_backend import TritonBackend
+    from clover_export.backends import fp8_experts
+    from clover_export.backends.triton_backend import TritonBackend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     be = TritonBackend.load(None, device="cpu")
@@ -270,8 +270,8 @@ def test_fp8_artefact_without_scales_is_refused(tmp_path, monkeypatch):
     from onnx import helper
 
     onnx.save(helper.make_model(helper.make_graph([], "g", [], [])), str(Art.graph_path))
-    monkeypatch.setattr("clover_export.exporter.artifact.load_artifact", lambda d: Art)
-    monkeypatch.setattr("clover_export.exporter.artifact.read_weight_map",
+    monkeypatch.setattr("clover_export.artifact.manifest.load_artifact", lambda d: Art)
+    monkeypatch.setattr("clover_export.artifact.manifest.read_weight_map",
                         lambda a: {f"{name}.fp8": {"dtype": "F8_E4M3", "file": "x.bin", "offset": 0, "shape": [1]}})
     with pytest.raises(CloverError, match=f"FP8 scales {name}.scale missing"):
         fp8_experts.from_artifact(be.model, tmp_path)
@@ -287,9 +287,9 @@ def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
     the torch backend's (plain-torch cores), so this checks the padding, not the kernels."""
     import torch
 
-    from clover_export import names
-    from clover_export.runtime.backends.cuda_graphs import Bucket, StepGraphs
-    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.core import names
+    from clover_export.backends.cuda_graphs import Bucket, StepGraphs
+    from clover_export.backends.torch_backend import TorchBackend
 
     be = TorchBackend.load(tiny_dir, device="cpu", dtype="fp32")
     N, slots = be.block_size, 5
@@ -337,10 +337,10 @@ def test_fp8_experts_read_from_an_fp8_artefact_are_its_e4m3_bytes_and_scales(tmp
     equal to quantize_weight of the source weights, with its scales."""
     import torch
 
-    from clover_export.engines.quantize import quantize_weight
-    from clover_export.models import load_model
-    from clover_export.runtime.backends.fp8_experts import expert_names
-    from clover_export.runtime.backends.triton_backend import TritonBackend
+    from clover_export.quantize.scales import quantize_weight
+    from clover_export.model.loading import load_model
+    from clover_export.backends.fp8_experts import expert_names
+    from clover_export.backends.triton_backend import TritonBackend
     from clover_export.tiny import generate_random_tiny
     from tests.test_fp8_graph import build_fp8
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clover_export.generation import GenerationSettings
+from clover_export.core.generation import GenerationSettings
 from clover_export.runtime.controls import RowParams, param_row
 from clover_export.runtime.selector import choose, fill, sample
 

@@ -21,7 +21,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from clover_export.errors import CloverError
+from clover_export.core.errors import CloverError
 from clover_export.serve.adapter import TextSplit, chars_per_token
 from clover_export.serve.app import ServeOptions, build_app
 
@@ -516,7 +516,7 @@ def test_the_cheap_prompt_bound_never_overcounts(tiny_tokenizer, data):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tiny_dir):
-    from clover_export.runtime.tokenizer import ChatTokenizer
+    from clover_export.model.tokenizer import ChatTokenizer
 
     return ChatTokenizer(tiny_dir)
 

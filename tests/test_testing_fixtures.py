@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from clover_export.checkpoint import locate_tensors, plan_tensors
-from clover_export.config import CloverConfig, config_from_dict, load_config
+from clover_export.core.checkpoint import locate_tensors, plan_tensors
+from clover_export.core.config import CloverConfig, config_from_dict, load_config
 from clover_export.testing.fullsize import full_size_config, layer_sizes, write_sparse_checkpoint
 
 

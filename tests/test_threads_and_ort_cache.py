@@ -13,11 +13,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from clover_export.errors import CloverError
-from clover_export.runtime.backends.torch_backend import TorchBackend
+from clover_export.core.errors import CloverError
+from clover_export.backends.torch_backend import TorchBackend
 from clover_export.runtime.generator import Generator
-from clover_export.runtime import ort_cache, threads
-from clover_export.runtime.threads import ENV
+from clover_export.backends import ort_cache, threads
+from clover_export.backends.threads import ENV
 
 
 def threads_seen_in_steps(backend, tiny_dir, caller_threads: int) -> set[int]:
@@ -70,7 +70,7 @@ def test_generate_tiny_with_ort_exports_once_then_reuses(tmp_path, monkeypatch):
     """From a clean cache: the first run exports into it (one line says so), the second reuses the entry."""
     pytest.importorskip("onnxruntime")
     from clover_export.cli import main
-    from clover_export.runtime import ort_cache
+    from clover_export.backends import ort_cache
 
     monkeypatch.setenv("CLOVER_EXPORT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(ENV, raising=False)
@@ -86,7 +86,7 @@ def test_generate_tiny_with_ort_exports_once_then_reuses(tmp_path, monkeypatch):
     a, b = (json.loads(r.stdout) for r in runs)
     assert a["token_ids"] == b["token_ids"] and 0 < a["response_tokens"] <= 8
 
-    from clover_export.runtime.backends.ort_backend import OrtBackend
+    from clover_export.backends.ort_backend import OrtBackend
 
     backend = OrtBackend.load("tiny", threads=1)  # library use reaches the same entry
     assert backend.art.dir == entries[0]
@@ -111,7 +111,7 @@ def test_ort_threads_follow_omp_num_threads(monkeypatch):
 
 def test_ort_session_gets_omp_num_threads(tiny_fp32_export, monkeypatch):
     pytest.importorskip("onnxruntime")
-    from clover_export.runtime.backends.ort_backend import OrtBackend
+    from clover_export.backends.ort_backend import OrtBackend
 
     monkeypatch.setenv(ENV, "3")  # the embedded default's steps are small: sized from the work it would be 1
     backend = OrtBackend.load(tiny_fp32_export)
@@ -160,7 +160,7 @@ def edited_source(monkeypatch, relative: str, extra: bytes = b"\n# edited\n") ->
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
 
 
-@pytest.mark.parametrize("source", ["exporter/export.py", "model/moe.py", "plugins/triton/launch.py", "names.py"])
+@pytest.mark.parametrize("source", ["exporter/export.py", "model/moe.py", "plugins/triton/launch.py", "core/names.py"])
 def test_an_exporter_source_change_forces_a_fresh_export(tmp_path, recorded_exports, monkeypatch, source):
     model = fake_model(tmp_path / "m")
     first = ort_cache.exported_artifact(model, log=lambda s: None)

@@ -80,7 +80,7 @@ def test_answers_checked_exactly():
 
 def lowconf_step(logits, block, mask, threshold):
     """One step of the runtime's selector with the evaluator's settings (controls off)."""
-    from clover_export.generation import GenerationSettings
+    from clover_export.core.generation import GenerationSettings
     from clover_export.runtime.controls import RowParams, param_row
     from clover_export.runtime.selector import choose, fill
 
@@ -110,7 +110,7 @@ def test_lowconf_step_rule():
 
 def test_evaluator_is_the_runtime_loop(tiny_dir):
     """train.evaluate decodes with the runtime: the same tokens and counts as Generator with the controls off."""
-    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.backends.torch_backend import TorchBackend
     from clover_export.runtime.generator import Generator
 
     model, codec = load_for_eval(tiny_dir), ChatCodec(tiny_dir)
@@ -176,7 +176,7 @@ def test_shipped_folder_matches_tiny_config():
     assert shipped == json.loads(json.dumps(tiny_config_dict()))
     gen = json.loads((TRAINED_DIR / "generation_config.json").read_text())
     assert gen["repetition_penalty"] == 1.0 and gen["presence_penalty"] == 0.0
-    from clover_export.checkpoint import locate_tensors
+    from clover_export.core.checkpoint import locate_tensors
 
     locs = locate_tensors(TRAINED_DIR)
     assert {loc.dtype for loc in locs.values()} == {"BF16"}
@@ -204,7 +204,7 @@ def test_embedded_default_is_the_shipped_folder(tiny_dir):
 
 def test_missing_shipped_weights_is_a_clear_error(tmp_path, monkeypatch):
     import clover_export.tiny as tiny
-    from clover_export.errors import CloverError
+    from clover_export.core.errors import CloverError
 
     monkeypatch.setattr(tiny, "TRAINED_DIR", tmp_path / "nowhere")
     monkeypatch.setenv("CLOVER_EXPORT_CACHE", str(tmp_path / "cache"))

@@ -38,7 +38,7 @@ def artifact(checkpoint, tmp_path_factory):
 
 
 def test_checkpoint_has_trained_like_gdn_layers(checkpoint, prompt_ids):
-    from clover_export.models import load_model
+    from clover_export.model.loading import load_model
 
     stats = gdn_statistics(load_model(checkpoint), prompt_ids)
     assert len(stats) == 6
@@ -49,8 +49,8 @@ def test_checkpoint_has_trained_like_gdn_layers(checkpoint, prompt_ids):
 
 @pytest.mark.slow
 def test_ort_greedy_tokens_equal_the_torch_backend(checkpoint, artifact, prompt_ids):
-    from clover_export.runtime.backends.ort_backend import OrtBackend
-    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.backends.ort_backend import OrtBackend
+    from clover_export.backends.torch_backend import TorchBackend
     from clover_export.runtime.generator import Generator
 
     params = dict(prompt_ids=prompt_ids, max_new_tokens=64, threshold=0.9)
@@ -67,7 +67,7 @@ def prefill_block_logits(backend, prompt_ids, chunk=256):
     """The first block's logits after the prompt: a full chunk, then the rest folded with a masked block."""
     import torch
 
-    from clover_export import names
+    from clover_export.core import names
 
     N, mask = backend.block_size, backend.cfg.mask_token_id
     pools = backend.allocate_pools(1, 1024)
@@ -88,9 +88,9 @@ def prefill_block_logits(backend, prompt_ids, chunk=256):
 def test_ort_block_logits_equal_the_torch_backend(checkpoint, artifact, prompt_ids):
     import numpy as np
 
-    from clover_export.exporter.validate import fp32_tolerance
-    from clover_export.runtime.backends.ort_backend import OrtBackend
-    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.verify.validate import fp32_tolerance
+    from clover_export.backends.ort_backend import OrtBackend
+    from clover_export.backends.torch_backend import TorchBackend
 
     want = prefill_block_logits(TorchBackend.load(checkpoint, dtype="fp32"), prompt_ids)
     got = prefill_block_logits(OrtBackend.load(artifact, providers=["CPUExecutionProvider"]), prompt_ids)
@@ -99,7 +99,7 @@ def test_ort_block_logits_equal_the_torch_backend(checkpoint, artifact, prompt_i
 
 @pytest.mark.slow
 def test_validate_passes_at_full_chunk_on_trained_like_layers(artifact):
-    from clover_export.exporter import validate as V
+    from clover_export.verify import validate as V
 
     rep = V.validate(artifact, reference_evaluator=False)
     assert rep.passed, rep.format()

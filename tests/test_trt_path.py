@@ -25,8 +25,8 @@ import torch
 from click.testing import CliRunner
 from onnx import helper
 
-from clover_export.engines import trt_versions as V
-from clover_export.errors import CloverError
+from clover_export.plugins.trt import versions as V
+from clover_export.core.errors import CloverError
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.trt_graph import TRT_GRAPH, expected_plugin_layers, plugin_nodes, trt_graph
 from clover_export.plugins.contracts import NAMESPACE, TRT_CONTRACTS
@@ -74,7 +74,7 @@ def _fails(folder: Path) -> list[str]:
 
 # ----------------------------------------------------------------- the graph TensorRT parses
 def test_export_writes_the_trt_graph_beside_model_onnx(bf16_export):
-    from clover_export.exporter.artifact import load_artifact
+    from clover_export.artifact.manifest import load_artifact
 
     _, out = bf16_export
     art = load_artifact(out)
@@ -197,7 +197,7 @@ def test_missing_trt_graph_fails_for_bf16(bf16_export, tmp_path):
 
 
 def test_map_mode_cannot_reach_tensorrt(bf16_export, tmp_path):
-    from clover_export.engines.build import BuildOptions, build
+    from clover_export.pipeline.build import BuildOptions, build
     from clover_export.exporter.export import export
 
     model, _ = bf16_export
@@ -230,7 +230,7 @@ def test_version_table():
 
 
 def test_doctor_refuses_old_or_broken_tensorrt():
-    from clover_export.engines.doctor import Facts, capabilities
+    from clover_export.pipeline.doctor import Facts, capabilities
 
     gpu = [{"name": "H200", "sm": (9, 0), "memory": 141 * 1024**3}]
     rows = lambda f: {w: (ok, why) for w, ok, why in capabilities(f)}  # noqa: E731
@@ -255,8 +255,8 @@ def broken_tensorrt(tmp_path, monkeypatch):
 
 
 def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_export, tmp_path):
-    from clover_export.engines.build import BuildOptions, build
-    from clover_export.engines.tensorrt_build import import_tensorrt, probe_tensorrt
+    from clover_export.pipeline.build import BuildOptions, build
+    from clover_export.tensorrt.builder import import_tensorrt, probe_tensorrt
 
     assert probe_tensorrt() == (None, f"ImportError: {BROKEN}")
     with pytest.raises(CloverError, match="installed but cannot be imported.*libnvinfer.so.10") as e:
@@ -276,7 +276,7 @@ def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_ex
 
 
 def test_too_old_tensorrt_is_refused_by_the_import_guard(tmp_path, monkeypatch):
-    from clover_export.engines.tensorrt_build import import_tensorrt
+    from clover_export.tensorrt.builder import import_tensorrt
 
     pkg = tmp_path / "tensorrt"
     pkg.mkdir()
@@ -292,7 +292,7 @@ def test_too_old_tensorrt_is_refused_by_the_import_guard(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------- builder logic that needs no TensorRT
 def test_plugin_layer_count_and_registration_rules():
-    from clover_export.engines.tensorrt_build import plugin_layer_problems, registration_problems
+    from clover_export.tensorrt.builder import plugin_layer_problems, registration_problems
 
     want = {"BlockGDN": 6, "MoERoute": 8}
     assert plugin_layer_problems(dict(want), want) == []
@@ -312,7 +312,7 @@ def test_progress_monitor_never_raises(monkeypatch):
     """An exception from a progress callback would abort TensorRT's build: a failing bar is dropped instead."""
     import tqdm
 
-    from clover_export.engines.tensorrt_build import _SafeMonitor
+    from clover_export.tensorrt.builder import _SafeMonitor
 
     m = _SafeMonitor()
     m.phase_start("ok", None, 2)
@@ -332,7 +332,7 @@ def _reference_ops():
 
     from onnx.reference.op_run import OpRun
 
-    from clover_export.exporter.validate import _to_numpy, _to_torch
+    from clover_export.verify.validate import _to_numpy, _to_torch
 
     cast = {"int": int, "float": float, "bool": bool}
     classes = []
@@ -358,9 +358,11 @@ def test_trt_graph_computes_what_model_onnx_computes(tiny_fp32_dir, tmp_path):
     run by ONNX Runtime (function bodies), on the fp32 graph of the tiny model: one step, pools included."""
     from onnx.reference import ReferenceEvaluator
 
-    from clover_export.exporter.artifact import load_artifact, ort_session
+    from clover_export.artifact.manifest import load_artifact
+
+    from clover_export.exporter.session import ort_session
     from clover_export.exporter.export import export
-    from clover_export.exporter.validate import _load_weights, small_step
+    from clover_export.verify.validate import _load_weights, small_step
 
     export(tiny_fp32_dir, tmp_path / "f32", dtype="fp32", weights="link", max_batch=2)
     art = load_artifact(tmp_path / "f32")

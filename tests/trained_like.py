@@ -29,7 +29,7 @@ def make_trained_like(src: Path, out: Path, calibration_ids: list[int], seed: in
     scaled by its measured size at each layer's input (RMSNorm shrinks it as the residual grows)."""
     from safetensors.torch import load_file, save_file
 
-    from clover_export.models import load_model
+    from clover_export.model.loading import load_model
 
     shutil.copytree(src, out)
     cfg = json.loads((out / "config.json").read_text())

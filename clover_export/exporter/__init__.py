@@ -6,6 +6,7 @@ Runtime-facing API (light imports; onnxruntime is imported on use):
 Export / check / validate: `export.export`, `check.check_folder`, `validate.validate` (also the CLI).
 """
 
-from clover_export.exporter.artifact import Artifact, IOSpec, load_artifact, ort_session
+from clover_export.artifact.manifest import Artifact, IOSpec, load_artifact
+from clover_export.exporter.session import ort_session
 
 __all__ = ["Artifact", "IOSpec", "load_artifact", "ort_session"]

@@ -37,8 +37,8 @@ from pathlib import Path
 import onnx
 from onnx import AttributeProto, TensorProto
 
-from clover_export.errors import CloverError
-from clover_export.exporter import artifact as A
+from clover_export.core.errors import CloverError
+from clover_export.artifact import manifest as A
 from clover_export.exporter.trace import IR_VERSION, OPSET
 from clover_export.plugins.contracts import CONTRACTS, NAMESPACE, PLUGIN_VERSION
 
@@ -352,7 +352,7 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
                 "attack\"); ONNX Runtime and TensorRT read it")
     if mode == "map":
         rep.add("info", "weights", "map mode: external data is supplied from weights.json "
-                "(ONNX Runtime only: clover_export.exporter.artifact.ort_session)")
+                "(ONNX Runtime only: clover_export.exporter.session.ort_session)")
     _report_readers(rep, "mapped" if mode == "map" else "hardlink" if hard else "copy", hard)
 
 
@@ -403,7 +403,7 @@ def _check_profiles(proto, manifest: dict, rep):
 
 # --- TensorRT: model.trt.onnx ------------------------------------------------------
 def _check_tensorrt(folder: Path, manifest: dict, proto, rep):
-    from clover_export.engines.trt_versions import FEATURES, MIN_TENSORRT, version_text
+    from clover_export.plugins.trt.versions import FEATURES, MIN_TENSORRT, version_text
     from clover_export.exporter.trt_graph import AOT_ATTR, TRT_GRAPH, plugin_nodes
     from clover_export.plugins.contracts import TRT_CONTRACTS
 

@@ -25,16 +25,16 @@ from typing import Callable
 import onnx
 import torch
 
-from clover_export import names
-from clover_export.checkpoint import locate_tensors, plan_tensors
-from clover_export.config import CloverConfig, load_config
-from clover_export.errors import CloverError
-from clover_export.exporter import artifact as A
+from clover_export.core import names
+from clover_export.core.checkpoint import locate_tensors, plan_tensors
+from clover_export.core.config import CloverConfig, load_config
+from clover_export.core.errors import CloverError
+from clover_export.artifact import manifest as A
 from clover_export.exporter.trace import BATCH, IR_VERSION, OPSET, POOL_LEN, SLOTS, STEP_LEN, trace_step
 from clover_export.exporter.trt_graph import TRT_GRAPH, write_trt_graph
 from clover_export.exporter.weights import WeightReport, WeightWriter, shard_bytes
-from clover_export.models import parse_dtype, resolve_model_dir
-from clover_export.outdir import claim_dir, commit_dir
+from clover_export.model.loading import parse_dtype, resolve_model_dir
+from clover_export.artifact.outdir import claim_dir, commit_dir
 from clover_export.plugins import contracts
 
 DEFAULT_CHUNK = 256
@@ -104,7 +104,7 @@ def export(
 ) -> ExportResult:
     """Export MODEL's step graph into OUT (see the module docstring); returns what was done.
 
-    OUT follows `clover_export.outdir`: a new or empty folder, or (with `force`) an earlier export.
+    OUT follows `clover_export.artifact.outdir`: a new or empty folder, or (with `force`) an earlier export.
     `config` + `tensor_plans` replace the folder's config and checkpoint plan (a slice of the model:
     `exporter/slice.py`); the manifest still names MODEL's folder."""
     t0 = time.perf_counter()

@@ -29,8 +29,8 @@ import re
 
 import onnx
 
-from clover_export import names
-from clover_export.config import CloverConfig
+from clover_export.core import names
+from clover_export.core.config import CloverConfig
 
 SCOPE = "pkg.torch.onnx.name_scopes"
 _LAYER = re.compile(r"model\.layers\.(\d+)$")

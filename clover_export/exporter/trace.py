@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import onnx
 import torch
 
-from clover_export import names
-from clover_export.config import CloverConfig
-from clover_export.errors import CloverError
+from clover_export.core import names
+from clover_export.core.config import CloverConfig
+from clover_export.core.errors import CloverError
 
 OPSET = 20
 IR_VERSION = 9
@@ -95,7 +95,7 @@ def trace_step(cfg: CloverConfig, dtype: torch.dtype, block_size: int, replicate
 def _trace(cfg: CloverConfig, dtype: torch.dtype, block_size: int, replicate: bool) -> TracedGraph:
     from clover_export.exporter.replicate import ReplicationError, prototype_kinds
     from clover_export.exporter.replicate import replicate as stamp_out
-    from clover_export.models import build_model
+    from clover_export.model.loading import build_model
     from clover_export.plugins.onnx_ops import function_protos
 
     params = {n: (tuple(p.shape), dtype) for n, p in build_model(cfg, dtype, device="meta").named_parameters()}
@@ -131,7 +131,7 @@ def _export(cfg: CloverConfig, dtype: torch.dtype, block_size: int) -> onnx.Mode
 def _torch_export(cfg: CloverConfig, dtype: torch.dtype, block_size: int) -> onnx.ModelProto:
     import onnx_ir as ir
 
-    from clover_export.models import build_model
+    from clover_export.model.loading import build_model
     from clover_export.plugins.onnx_ops import translation_table
     from clover_export.plugins.torch_ops import export_cores
 

@@ -34,10 +34,10 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from clover_export import names
-from clover_export.checkpoint import SAFETENSORS_DTYPE, TensorLocation, TensorPlan, TensorReader
-from clover_export.errors import CloverError
-from clover_export.exporter import artifact as A
+from clover_export.core import names
+from clover_export.core.checkpoint import SAFETENSORS_DTYPE, TensorLocation, TensorPlan, TensorReader
+from clover_export.core.errors import CloverError
+from clover_export.artifact import manifest as A
 
 WEIGHTS_DIR = "weights"
 CONVERTED = "converted.bin"
@@ -93,7 +93,7 @@ REMEDY = {
     "hardlink": "export with --weights copy for a folder every tool loads; for the graph alone use "
                 "onnx.load(path, load_external_data=False) or polygraphy inspect model --ignore-external-data; "
                 "`clover-export check DIR` runs onnx.checker (full check) on the graph",
-    "mapped": "export with --weights link or copy; in Python, clover_export.exporter.ort_session(load_artifact(DIR)) "
+    "mapped": "export with --weights link or copy; in Python, clover_export.exporter.session.ort_session(load_artifact(DIR)) "
               "feeds the mapped weights to ONNX Runtime",
 }
 
@@ -270,7 +270,7 @@ class WeightWriter:
         why = "the output is on another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
         self.report.warn(
             f"cannot link {real} into {self.folder.name}/ ({why}); falling back to --weights map: the graph "
-            f"reads the checkpoint in place through weights.json (ONNX Runtime: clover_export.exporter.ort_session). "
+            f"reads the checkpoint in place through weights.json (ONNX Runtime: clover_export.exporter.session.ort_session). "
             f"Use --weights copy for a self-contained folder, or export onto the checkpoint's filesystem"
         )
         rel_to_real = {rel: real for real, rel in self.files.items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from clover_export import assumed
+from clover_export.core import assumed
 from clover_export.model.functional import l2_normalize, row_mask
 
 CHUNK = 64  # rows per chunk of the chunked delta rule

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from clover_export import names
-from clover_export.config import CloverConfig
+from clover_export.core import names
+from clover_export.core.config import CloverConfig
 from clover_export.model.attention import attention_core
 from clover_export.model.functional import (apply_partial_rope, gated_residual, gated_rms_norm, rms_norm, rope_cos_sin,
                                             swiglu)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from clover_export import assumed
-from clover_export.model.sorting import stable_topk
+from clover_export.core import assumed
+from clover_export.core.sorting import stable_topk
 
 
 def route(probs: torch.Tensor, allowed: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from clover_export.atomic import atomic_write
-from clover_export.errors import CloverError
+from clover_export.core.atomic import atomic_write
+from clover_export.core.errors import CloverError
 
 FORMAT = "clover-export/golden"
 VERSION = 1

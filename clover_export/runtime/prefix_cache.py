@@ -198,14 +198,16 @@ class PrefixCache:
         return whole, c.entry.last_used
 
     def waits_for(self, req: Request, running: list[Request], point: int) -> Request | None:
-        """A running request still prefilling a longer shared prefix (worth at least a block, or the whole
-        prompt): `req` waits for it, and its prefill gets cut where the shared part ends."""
+        """A running request still prefilling a longer shared prefix (worth at least a block, the whole
+        prompt, or already a cut of its prefill): `req` waits for it, and its prefill gets cut where the
+        shared part ends."""
         run = self._run(req)
         for other in running:
             if other.phase is not Phase.PREFILL:
                 continue
             target = min(run.common_prefix(self._run(other)), len(run))
-            if target > max(point, other.past_len) and (target - point >= self.block_size or target == len(run)):
+            if target > max(point, other.past_len) and (
+                    target - point >= self.block_size or target == len(run) or target in other.cuts):
                 other.cuts.add(target)
                 return other
         return None

@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from clover_export import names
-from clover_export.errors import CloverError
-from clover_export.runtime.backends import Backend
+from clover_export.core import names
+from clover_export.core.errors import CloverError
+from clover_export.backends.base import Backend
 from clover_export.runtime.controls import COLUMNS, RowParams, param_row, thinking_open
 from clover_export.runtime.request import Request
 from clover_export.runtime.scheduler import StepPlan
@@ -76,6 +76,7 @@ class Runner:
                 raise CloverError("runtime", f"{what} ids are not all in the vocabulary (size {vocab})")
         if req.resume is not None:
             self.resume(s, req.resume)
+            req.resume = None  # the saved states it held are the cache's to keep or drop
         else:
             for name, pool in self.pools.items():
                 if not name.endswith(KV_POOLS):

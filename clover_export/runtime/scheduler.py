@@ -19,21 +19,13 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING, Iterator
 
+from clover_export.core.step_shape import StepShape
 from clover_export.runtime.request import Phase, Request
 
 if TYPE_CHECKING:
     from clover_export.runtime.prefix_cache import PrefixCache
 
 PAD_ID = 0  # token id of padding causal rows (never read: n_causal excludes them)
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """Step shapes an engine accepts (one TensorRT optimisation profile): C and batch ranges."""
-
-    min_causal: int
-    max_causal: int
-    max_batch: int
 
 
 @dataclass

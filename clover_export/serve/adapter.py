@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from clover_export.errors import CloverError
+from clover_export.core.errors import CloverError
 from clover_export.serve.protocol import ApiError, ChatRequest, CommonParams, CompletionRequest, refuse, show
 
 THINK_END = "</think>"

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from clover_export.errors import CloverError
+from clover_export.core.errors import CloverError
 from clover_export.serve import adapter, protocol
 from clover_export.serve.engine import Engine, Event, Full, Job
 from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -64,7 +64,7 @@ class ServeOptions:
 
     def load_generator(self):
         from clover_export.runtime import Generator
-        from clover_export.runtime.backends import is_artifact
+        from clover_export.artifact.manifest import is_artifact
 
         backend = self.backend or ("ort" if is_artifact(self.model) else "torch")
         opts: dict[str, Any] = {}

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from clover_export.errors import CloverError
+from clover_export.core.errors import CloverError
 
 log = logging.getLogger("clover_export.serve")
 _job_names = itertools.count(1)

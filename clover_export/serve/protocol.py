@@ -25,9 +25,9 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
-from clover_export import generation
-from clover_export.errors import CloverError
-from clover_export.generation import Range
+from clover_export.core import generation
+from clover_export.core.errors import CloverError
+from clover_export.core.generation import Range
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages[i].content[j].text); 32 leaves room for metadata
 MAX_STOP = 16  # stop strings a request may give (OpenAI: 4); the engine searches each one every block

@@ -18,7 +18,7 @@ import signal
 import threading
 from typing import Any
 
-from clover_export.errors import CloverError
+from clover_export.core.errors import CloverError
 from clover_export.serve.app import ServeOptions, build_app
 
 DEPLOYMENT_NAME = "CloverServer"

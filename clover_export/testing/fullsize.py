@@ -17,8 +17,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from clover_export import names
-from clover_export.config import CloverConfig, config_from_dict
+from clover_export.core import names
+from clover_export.core.config import CloverConfig, config_from_dict
 from clover_export.tiny import ensure_tiny
 
 SHARD_BYTES = 5 * 2**30

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from clover_export.engines.quantize import dequantize, quantize_weight
+from clover_export.quantize.scales import dequantize, quantize_weight
 from clover_export.model.attention import attention_core
 from clover_export.model.gdn import gdn_core
 from clover_export.model.moe import moe_core

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from clover_export.config import CloverConfig, config_from_dict
+from clover_export.core.config import CloverConfig, config_from_dict
 from clover_export.tiny import tokenizer_assets as tok
 
 TINY_VERSION = 2  # bump when the shipped model changes
@@ -86,7 +86,7 @@ def cache_root() -> Path:
 
 def write_model_folder(out_dir: Path, state: dict[str, torch.Tensor], config: dict, **save_kwargs) -> Path:
     """A complete model folder (weights, config, generation config, tokenizer), atomically."""
-    from clover_export.checkpoint import save_checkpoint
+    from clover_export.core.checkpoint import save_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         tok.build_tokenizer_files(Path(tmp))
@@ -98,7 +98,7 @@ def write_model_folder(out_dir: Path, state: dict[str, torch.Tensor], config: di
 
 def generate_random_tiny(out_dir: Path, seed: int = 0, dtype=torch.bfloat16, **config_overrides) -> Path:
     """Random-weight tiny Clover folder (deterministic for a seed)."""
-    from clover_export.model.model import CloverModel, init_random_  # not clover_export.models: it imports us
+    from clover_export.model.model import CloverModel, init_random_  # not clover_export.model.loading: it imports us
 
     cfg_dict = tiny_config_dict(**config_overrides)
     model = init_random_(CloverModel(config_from_dict(cfg_dict)), seed=seed)
@@ -108,8 +108,8 @@ def generate_random_tiny(out_dir: Path, seed: int = 0, dtype=torch.bfloat16, **c
 
 def ensure_tiny() -> Path:
     """Path of the embedded default: the shipped trained folder, copied once into the cache folder."""
-    from clover_export.atomic import replace_dir
-    from clover_export.errors import CloverError
+    from clover_export.core.atomic import replace_dir
+    from clover_export.core.errors import CloverError
 
     target = cache_root() / f"tiny-v{TINY_VERSION}"
     if (target / "config.json").exists():

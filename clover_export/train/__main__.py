@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import torch
 
-from clover_export.atomic import atomic_write
+from clover_export.core.atomic import atomic_write
 from clover_export.cli import OneLineErrors
 from clover_export.train.trainer import TrainSettings, new_model, save_trained, train
 
@@ -63,7 +63,7 @@ def main(out_dir, steps, batch_size, lr, seed, threads, eval_every, eval_count, 
     from clover_export.train.data import ChatCodec
     from clover_export.train.evaluate import load_for_eval, score
 
-    from clover_export.outdir import claim_dir
+    from clover_export.artifact.outdir import claim_dir
 
     out_dir = claim_dir(out_dir, "train", command="train", force=force)  # before training, not after
     torch.set_num_threads(threads)

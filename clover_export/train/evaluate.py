@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from clover_export.generation import GenerationSettings
+from clover_export.core.generation import GenerationSettings
 from clover_export.model.model import CloverModel
 from clover_export.train.data import ChatCodec
 from clover_export.train.tasks import Example, is_correct
@@ -46,7 +46,7 @@ class Decoded:
 def generate(model: CloverModel, prompts: list[list[int]], threshold: float, end_ids: list[int],
              max_new_tokens: int = 32) -> list[Decoded]:
     """Greedy block decoding of a batch of prompts through the runtime loop, all stepping together."""
-    from clover_export.runtime.backends.torch_backend import TorchBackend
+    from clover_export.backends.torch_backend import TorchBackend
     from clover_export.runtime.loop import Loop
     from clover_export.runtime.request import Request
     from clover_export.runtime.runner import Runner
@@ -109,9 +109,9 @@ def score(model: CloverModel, codec: ChatCodec, examples: list[Example], thresho
 
 def load_for_eval(model_dir: str | Path, top_p: float | None = None, dtype=torch.float32) -> CloverModel:
     """The reference model of a folder, with the coreset top_p overridden when given."""
-    from clover_export.checkpoint import load_state_dict
-    from clover_export.config import load_config
-    from clover_export.models import build_model
+    from clover_export.core.checkpoint import load_state_dict
+    from clover_export.core.config import load_config
+    from clover_export.model.loading import build_model
 
     cfg = load_config(model_dir)
     if top_p is not None:

@@ -222,13 +222,12 @@ def attention_split_variants_for(h: int, hkv: int, hd: int, block_size: int, sca
     """BlockAttention's split-KV form as TensorRT runs it (`clover::BlockAttentionSplit` + `BlockAttentionMerge`,
     the one-kernel form's tiles; split count = the grid's third dimension, from the shapes at run time)."""
     from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT
-    from clover_export.plugins.trt.plan import io_dtypes
 
     consts = launch.attention_constexprs(h, hkv, hd, block_size, scale, dtype, arch)
     split = launch.ATTENTION_SPLIT_ABI
     return [
         Variant(f"BlockAttentionSplit.{_dt(dtype)}", "attention", split.kernel,
-                split.signature(io_dtypes(BLOCK_ATTENTION_SPLIT, dtype)), consts,
+                split.signature(launch.io_dtypes(BLOCK_ATTENTION_SPLIT, dtype)), consts,
                 launch.attention_split_launch(arch, dtype),
                 "(cdiv(T * H/Hkv, BLOCK_M), B * Hkv, splits)"),
         attention_merge_variant(h, hd, dtype),
@@ -237,11 +236,10 @@ def attention_split_variants_for(h: int, hkv: int, hd: int, block_size: int, sca
 
 def attention_merge_variant(h: int, hd: int, dtype: str = "bfloat16") -> Variant:
     from clover_export.plugins.contracts import BLOCK_ATTENTION_MERGE
-    from clover_export.plugins.trt.plan import io_dtypes
 
     merge = launch.ATTENTION_MERGE_ABI
     return Variant(f"BlockAttentionMerge.{_dt(dtype)}", "attention", merge.kernel,
-                   merge.signature(io_dtypes(BLOCK_ATTENTION_MERGE, dtype)), launch.attention_merge_constexprs(h, hd),
+                   merge.signature(launch.io_dtypes(BLOCK_ATTENTION_MERGE, dtype)), launch.attention_merge_constexprs(h, hd),
                    dict(launch.ATTENTION_MERGE_LAUNCH), "(cdiv(T * H, BLOCK_R), B, 1)")
 
 
@@ -398,7 +396,6 @@ def moe_subop_variant(op: str, num_experts: int, top_k: int, hidden: int, inter:
     attrs: the routing attributes (top_p, coreset, block_size) for MoERoute; ignored otherwise.
     """
     from clover_export.plugins.contracts import MOE_SUBOPS
-    from clover_export.plugins.trt.plan import io_dtypes
 
     abi = launch.MOE_SUBOP_ABIS[op]
     fp8 = op.endswith("FP8")
@@ -413,7 +410,7 @@ def moe_subop_variant(op: str, num_experts: int, top_k: int, hidden: int, inter:
     else:
         gu, dn, opts = launch.moe_gemm_constexprs(hidden, inter, top_k, launch.MOE_AOT_BLOCK_M, fp8, dtype, arch)
         consts = gu if "GateUp" in op else dn
-    sig = abi.signature(io_dtypes(MOE_SUBOPS[op], dtype))
+    sig = abi.signature(launch.io_dtypes(MOE_SUBOPS[op], dtype))
     tag = _dt(dtype) + (".fp8" if fp8 else "")
     return Variant(f"{op}.{tag}", abi.module, abi.kernel, sig, consts, dict(opts), op)
 
@@ -455,7 +452,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny config instead of Clover-35B-A3B sizes")
     ap.add_argument("--trt-only", action="store_true", help="only the kernels TensorRT launches from PTX (model.trt.onnx)")
     args = ap.parse_args(argv)
-    from clover_export.config import CloverConfig
+    from clover_export.core.config import CloverConfig
 
     if args.tiny:
         from clover_export.tiny import tiny_config

@@ -497,3 +497,23 @@ def moe_subop_grid(op: str, B, T, num_experts: int, consts: dict, cdiv=cdiv) -> 
     if op == MOE_COMBINE.name:
         return (B * T, cdiv(consts["D"], consts["BLOCK_D"]), 1)
     raise ValueError(f"clover::{op} is not a MoE sub-op")
+
+
+def io_dtypes(contract: OpContract, model_dtype: str, param_dtype: str | None = None) -> dict[str, str]:
+    """dtype of every input and output for one combination (contract dtype names).
+
+    Fixed dtype rules (fp32 scales, e4m3 weights, int32 ids) come from the contract as they are.
+    """
+    d: dict[str, str] = {}
+    for t in contract.inputs:
+        if t.dtype == "float":
+            d[t.name] = model_dtype
+        elif t.dtype.startswith("like:"):
+            d[t.name] = d[t.dtype[5:]]
+        else:
+            d[t.name] = t.dtype
+    if contract is BLOCK_GDN and param_dtype:
+        d.update({n: param_dtype for n in GDN_PARAMS})
+    for t in contract.outputs:
+        d[t.name] = d[t.dtype[5:]] if t.dtype.startswith("like:") else (model_dtype if t.dtype == "float" else t.dtype)
+    return d

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT, BLOCK_GDN,
                                             MOE_SUBOPS, TRT_CONTRACTS, OpContract)
 from clover_export.plugins.triton import launch
+from clover_export.plugins.triton.launch import io_dtypes  # noqa: F401  (the combinations below; register, tests)
 
 TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int32": "INT32",
                   "float8_e4m3fn": "FP8"}
@@ -60,26 +61,6 @@ def output_decls(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str
         src = output_dtype_source(spec)
         decls.append(OutputDecl(spec.name, alias, None if alias else tuple(shape), src, None if src else spec.dtype))
     return decls
-
-
-def io_dtypes(contract: OpContract, model_dtype: str, param_dtype: str | None = None) -> dict[str, str]:
-    """dtype of every input and output for one combination (contract dtype names).
-
-    Fixed dtype rules (fp32 scales, e4m3 weights, int32 ids) come from the contract as they are.
-    """
-    d: dict[str, str] = {}
-    for t in contract.inputs:
-        if t.dtype == "float":
-            d[t.name] = model_dtype
-        elif t.dtype.startswith("like:"):
-            d[t.name] = d[t.dtype[5:]]
-        else:
-            d[t.name] = t.dtype
-    if contract is BLOCK_GDN and param_dtype:
-        d.update({n: param_dtype for n in launch.GDN_PARAMS})
-    for t in contract.outputs:
-        d[t.name] = d[t.dtype[5:]] if t.dtype.startswith("like:") else (model_dtype if t.dtype == "float" else t.dtype)
-    return d
 
 
 def combinations(contract: OpContract) -> list[dict[str, str]]:

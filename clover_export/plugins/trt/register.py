@@ -28,7 +28,7 @@ import tensorrt as trt
 import tensorrt.plugin as trtp
 
 from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT, TRT_CONTRACTS, OpContract
-from clover_export.plugins.trt import plan
+import clover_export.plugins.trt.plan as plan
 
 _TRT_DTYPES = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16, "int32": trt.int32,
                "float8_e4m3fn": getattr(trt, "fp8", None)}

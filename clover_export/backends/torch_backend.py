@@ -1,0 +1,110 @@
+"""The `torch` backend: the reference `CloverModel`, on CPU or CUDA, caches updated in place.
+
+The model's own cores are functional (they are the op contracts the ONNX
+bodies and Triton kernels are tested against). For a step the backend swaps
+in their in-place twins (STEP_GRAPH.md 1), given the slot ids the model passes:
+- attention writes each row's n_causal new K/V positions into its slot and
+  reads positions < read_len of the rows' slots, read_len = max(past_len +
+  n_causal) over the step's rows (one host read per step): a view for one row,
+  a gather of B x Hkv x read_len x hd for several;
+- GDN reads and rewrites the rows' conv and recurrent states (fixed size).
+Nothing per step grows with the pools' capacity (max_context).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from clover_export.core import names
+from clover_export.core.errors import CloverError
+from clover_export.model.attention import attention_core_in_place
+from clover_export.model.gdn import gdn_core_in_place
+from clover_export.model.model import CloverModel, Cores, allocate_pools
+from clover_export.model.loading import load_model, resolve_model_dir
+from clover_export.backends.threads import check_threads, flops_per_row, torch_thread_scope, torch_threads
+
+
+def in_place_cores(base: Cores, read_len: int) -> Cores:
+    """The model's cores with attention and GDN updating the slot pools in place (MoE as given);
+    attention reads the first `read_len` positions of each row's slot."""
+    return Cores(gdn=gdn_core_in_place, attention=partial(attention_core_in_place, read_len=read_len), moe=base.moe)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str) -> str:
+    """A device string torch accepts and this machine has, else a CloverError naming it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CloverError("runtime", f"--device {device!r} is not a torch device", "use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise CloverError("runtime", f"--device {device}: no CUDA device here (torch {torch.__version__})",
+                              "use --device cpu; `clover-export doctor` lists what this machine has")
+        if dev.index is not None and dev.index >= n:
+            raise CloverError("runtime", f"--device {device}: this machine has {n} CUDA device(s)")
+    return device
+
+
+class TorchBackend:
+    name = "torch"
+    step_shapes = None  # any C, any batch
+
+    def __init__(self, model: CloverModel, source_dir: Path | None = None, threads: int | None = None):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.block_size = model.block_size
+        self.max_context = model.cfg.max_context
+        self.device = model.lm_head.weight.device
+        self.source_dir = Path(source_dir) if source_dir is not None else None
+        self.threads = check_threads(threads)  # explicit CPU threads, else the policy of runtime/threads.py
+        self.row_flops = flops_per_row(self.cfg)
+
+    @classmethod
+    def load(cls, model=None, *, dtype: str = "auto", device: str | None = None, block_size: int | None = None,
+             allow_qwen: bool = False, threads: int | None = None) -> "TorchBackend":
+        device = check_device(device) if device else default_device()
+        if block_size is not None and block_size < 1:
+            raise CloverError("runtime", f"block_size must be >= 1, got {block_size}")
+        if dtype == "auto":
+            dtype = "bf16" if str(device).startswith("cuda") else "fp32"
+        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        model_dir = resolve_model_dir(model)
+        ref = load_model(model_dir, dtype=torch_dtype, allow_qwen=allow_qwen, device=device, block_size=block_size)
+        return cls(ref, model_dir, threads=check_threads(threads))
+
+    def thread_scope(self, rows: int):
+        """torch's CPU threads for a step of `rows` rows, the caller's count restored after (runtime/threads.py)."""
+        n = torch_threads(self.threads, rows * self.row_flops) if self.device.type == "cpu" else None
+        return torch_thread_scope(n)
+
+    def allocate_pools(self, num_slots: int, max_len: int) -> dict[str, torch.Tensor]:
+        return allocate_pools(self.cfg, num_slots, max_len, dtype=self.model.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def step(self, inputs, pools):
+        read_len = int((inputs[names.PAST_LEN].long() + inputs[names.N_CAUSAL].long()).max())
+        saved = self.model.cores
+        self.model.cores = in_place_cores(saved, read_len)
+        try:
+            return self.model.step(inputs, pools)
+        finally:
+            self.model.cores = saved
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Causal next-token logits [P, V] of the prompt (for golden comparisons)."""
+        P, N = len(prompt_ids), self.block_size
+        pools = self.allocate_pools(1, P)
+        ids = torch.tensor([list(prompt_ids) + [0] * N], dtype=torch.int32, device=self.device)
+        one = lambda v: torch.tensor([v], dtype=torch.int32, device=self.device)  # noqa: E731
+        order = list(pools)
+        h, _, _ = self.model.trunk(ids, one(P), one(0), one(0), one(0), *(pools[n] for n in order))
+        return self.model.logits(h[0, :P])

@@ -1,0 +1,149 @@
+"""The `trt` backend: a TensorRT engine (10.x / 11.x Python API), caches aliased in place.
+
+Deserialize the engine, then per step: `set_input_shape` for every input,
+`set_tensor_address` bound to the torch tensors' `data_ptr()` (step inputs,
+pools, and the `present.*` outputs bound to the same memory as their
+`past_key_values.*` inputs, which the plugins declare as aliases), and
+`execute_async_v3` on the current CUDA stream. No host copies.
+
+Engine location: a `.engine`/`.plan` file, or a folder with `manifest.json`
+naming it (`"engine"`) or holding exactly one such file; the model config
+comes from the manifest's `"config"` or the folder's `config.json`. Plugin
+libraries listed under `"plugin_libraries"` are loaded first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+import torch
+
+from clover_export.core import names
+from clover_export.core.config import config_from_dict, load_config
+from clover_export.tensorrt.builder import import_tensorrt
+from clover_export.core.errors import CloverError
+from clover_export.model.model import allocate_pools
+from clover_export.backends.base import StepShape
+
+RUNTIME_NOTE = "install TensorRT 10+ (pip install tensorrt) on a CUDA machine, or use --backend ort/torch"
+ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+
+
+def locate_engine(path) -> tuple[Path, dict]:
+    """(engine file, manifest dict or {})."""
+    if path is None:
+        raise CloverError("runtime", "the trt backend needs an engine file or folder")
+    p = Path(path)
+    if p.is_file():
+        manifest_path = p.parent / "manifest.json"
+        return p, json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if not p.is_dir():
+        raise CloverError("runtime", f"{p}: no such engine file or folder")
+    manifest = json.loads((p / "manifest.json").read_text()) if (p / "manifest.json").is_file() else {}
+    if isinstance(manifest.get("engine"), str):
+        return p / manifest["engine"], manifest
+    found = sorted(f for f in p.iterdir() if f.suffix in ENGINE_SUFFIXES)
+    if len(found) != 1:
+        raise CloverError("runtime", f"{p}: expected one engine file ({', '.join(ENGINE_SUFFIXES)}), found {len(found)}")
+    return found[0], manifest
+
+
+class TrtBackend:
+    name = "trt"
+
+    def __init__(self, engine_path: Path, manifest: dict):
+        trt = import_tensorrt("runtime", RUNTIME_NOTE)
+        if not torch.cuda.is_available():
+            raise CloverError("runtime", "the trt backend needs a CUDA GPU; none is visible")
+        self.trt = trt
+        folder = engine_path.parent
+        self.cfg = (config_from_dict(manifest["config"], source=str(folder / "manifest.json"))
+                    if "config" in manifest else load_config(folder))
+        self.block_size = int(manifest.get("block_size", self.cfg.block_size))
+        self.max_context = int(manifest.get("max_context", self.cfg.max_context))
+        self.source_dir = Path(manifest.get("source_dir", folder))
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model_dtype = torch.bfloat16 if manifest.get("dtype", "bf16") == "bf16" else torch.float32
+        for lib in manifest.get("plugin_libraries", []):
+            ctypes.CDLL(str(folder / lib), mode=ctypes.RTLD_GLOBAL)
+        from clover_export.tensorrt.builder import load_engine
+
+        # one loader for build and runtime: registers the clover:: plugins, refits a weight-stripped plan
+        info = manifest.get("engine_info", {})
+        graph = info.get("graph", manifest.get("graph", "model.onnx"))  # refit from the graph it was built from
+        self.engine = load_engine(engine_path, folder / graph, bool(info.get("stripped")))
+        self.context = self.engine.create_execution_context()
+        self.tensor_names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.input_dtypes = {n: self._torch_dtype(self.engine.get_tensor_dtype(n)) for n in self.tensor_names}
+        # per profile: (min T, max T, max batch) of input_ids; pools take the profile's fixed shapes
+        self.profiles = []
+        for p in range(self.engine.num_optimization_profiles):
+            lo, _, hi = self.engine.get_tensor_profile_shape(names.INPUT_IDS, p)
+            self.profiles.append((lo[1], hi[1], hi[0]))
+        N = self.block_size
+        self.step_shapes = [StepShape(t_lo - N, t_hi - N, b_hi) for t_lo, t_hi, b_hi in self.profiles]
+        self.active_profile = 0
+        pool = names.pool_names(self.cfg)
+        self.pool_shapes = {n: tuple(self.engine.get_tensor_profile_shape(n, 0)[2]) for n in pool}
+        attn = next((n for n in pool if n.endswith(".key")), None)
+        if attn is not None:
+            self.max_context = min(self.max_context, self.pool_shapes[attn][2])
+
+    @classmethod
+    def load(cls, path=None, **_options) -> "TrtBackend":
+        import_tensorrt("runtime", RUNTIME_NOTE)
+        engine_path, manifest = locate_engine(path)
+        return cls(engine_path, manifest)
+
+    def _torch_dtype(self, dt) -> torch.dtype:
+        trt = self.trt
+        table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32,
+                 trt.int64: torch.int64, trt.bool: torch.bool, trt.bfloat16: torch.bfloat16}
+        return table[dt]
+
+    def allocate_pools(self, num_slots: int, max_len: int) -> dict[str, torch.Tensor]:
+        """The engine's fixed pool shapes (its profiles pin slots and pool length)."""
+        any_pool = next(iter(self.pool_shapes.values()))
+        slots = any_pool[0]
+        if num_slots > slots or max_len > self.max_context:
+            raise CloverError("runtime", f"the engine was built for {slots} slots x {self.max_context} positions; "
+                                         f"{num_slots} x {max_len} asked", "lower max_slots / max_context")
+        pools = allocate_pools(self.cfg, slots, self.max_context, dtype=self.model_dtype, device=self.device)
+        for n, t in pools.items():
+            if tuple(t.shape) != self.pool_shapes[n]:
+                raise CloverError("runtime", f"engine input {n} has shape {self.pool_shapes[n]}, the config gives "
+                                             f"{tuple(t.shape)}", "was the engine built from this model?")
+        return pools
+
+    def _select_profile(self, B: int, T: int, stream) -> None:
+        for p, (t_lo, t_hi, b_hi) in enumerate(self.profiles):
+            if t_lo <= T <= t_hi and B <= b_hi:
+                if p != self.active_profile:
+                    self.context.set_optimization_profile_async(p, stream)
+                    self.active_profile = p
+                return
+        raise CloverError("runtime", f"no optimisation profile of the engine takes batch {B} x {T} rows")
+
+    def step(self, inputs, pools):
+        ctx, keep = self.context, []
+        stream = torch.cuda.current_stream().cuda_stream
+        self._select_profile(*inputs[names.INPUT_IDS].shape, stream)
+        for name, t in list(inputs.items()) + list(pools.items()):
+            want = self.input_dtypes[name]
+            if t.dtype != want or not t.is_contiguous():
+                t = t.to(want).contiguous()
+                keep.append(t)
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        for name, t in pools.items():  # outputs alias the pools: updated in place
+            ctx.set_tensor_address(names.present_name(name), t.data_ptr())
+        B = inputs[names.INPUT_IDS].shape[0]
+        logits = torch.empty(B, self.block_size, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        coreset = torch.empty(B, self.cfg.num_hidden_layers, dtype=torch.int32, device=self.device)
+        ctx.set_tensor_address(names.LOGITS, logits.data_ptr())
+        ctx.set_tensor_address(names.CORESET_SIZE, coreset.data_ptr())
+        if not ctx.execute_async_v3(stream):
+            raise CloverError("runtime", "TensorRT execution failed (see the TensorRT log above)")
+        return logits, coreset, pools

@@ -1,0 +1,323 @@
+"""The FP8 step graph (STEP_GRAPH.md 4): e4m3 weights + scales, Q/DQ around the standard GEMMs.
+
+From an exported fp32 (or bf16) artefact this writes a new artefact folder:
+- every GEMM weight W (attention/GDN projections, shared expert; lm_head
+  optional) becomes an e4m3 initializer with fp32 per-output-channel scales,
+  `DequantizeLinear(W8, s, axis=0)` feeding the graph's `Transpose -> MatMul`;
+- each GEMM input x gets `QuantizeLinear -> DequantizeLinear` with a
+  per-tensor scale from calibration (amax / 448), shared by the GEMMs that
+  read the same x;
+- the routed experts become e4m3 [E, out, in] + scales [E, out] fed to
+  `clover::CoresetMoEFP8` (contract `plugins/contracts.py`, BF16
+  activations; its function body dequantises, then computes CoresetMoE, so
+  ONNX Runtime runs it anywhere). Functions no node calls any more are dropped.
+Weights are quantised once per build, streamed tensor by tensor from the
+checkpoint (`fp8_weights.py`), into one `fp8.bin` that every FP8 graph of
+the build links as `weights/fp8.bin`; nothing else is copied (the remaining
+tensors keep pointing at the source's files). The Cast / Concat chains that
+fed the replaced weights are dropped with them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from clover_export.quantize.weights import FP8_BIN
+from clover_export.quantize.scales import activation_scale
+from clover_export.core.errors import CloverError
+from clover_export.plugins.contracts import CORESET_MOE, CORESET_MOE_FP8, NAMESPACE, manifest_entry
+from clover_export.plugins.onnx_ops import function_proto
+from clover_export.model.sizing import fp8_weight_names
+
+
+@dataclass
+class Fp8Report:
+    gemms: int = 0
+    expert_tensors: int = 0
+    activations: dict[str, float] = field(default_factory=dict)  # activation tensor -> scale
+    bytes_written: int = 0
+    include_lm_head: bool = False
+
+    def to_dict(self) -> dict:
+        return {"gemms": self.gemms, "expert_tensors": self.expert_tensors, "activation_scales": self.activations,
+                "bytes_written": self.bytes_written, "include_lm_head": self.include_lm_head,
+                "weights": "e4m3fn, per-output-channel fp32 scales", "activations": "e4m3fn, per-tensor fp32 scales"}
+
+
+# --- calibration -------------------------------------------------------------
+def calibrate(model_dir: Path, steps, block_size: int, include_lm_head: bool = False, model=None) -> dict[str, float]:
+    """amax of the input of every FP8 GEMM (by weight name), over the reference model run on `steps`.
+
+    `steps`: step-graph feeds (names from `names.py`) played in order with the pools carried between
+    them, exactly as the runtime plays them; or a `calibration.PromptBatch`, played as its prefill and
+    then the denoise step that prefill's own logits fill (`calibration_steps` without playing the
+    prefill twice: one pass over the weights fewer, which at full size is a pass over 64 GiB).
+    `model`: the reference model (default: loaded whole; at full size `stream_calib.streamed_model`,
+    one layer's weights resident at a time).
+    """
+    from clover_export.core.config import load_config
+    from clover_export.quantize.calibration import PromptBatch
+    from clover_export.model.model import allocate_pools
+    from clover_export.model.loading import load_model
+
+    cfg = load_config(model_dir)
+    if model is None:
+        model = load_model(model_dir, torch.float32, block_size=block_size)
+    wanted = {n for n in fp8_weight_names(cfg, include_lm_head) if ".experts." not in n}  # experts: bf16 activations
+    amax: dict[str, float] = {}
+    hooks = []
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and f"{mod_name}.weight" in wanted:
+            def hook(m, args, name=f"{mod_name}.weight"):
+                amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
+            hooks.append(mod.register_forward_pre_hook(hook))
+    batch = steps if isinstance(steps, PromptBatch) else None
+    count = 2 if batch is not None else len(steps)
+    pool_len = batch.pool_len() if batch is not None else step_pool_len(steps, block_size)
+    pools = logits = None
+    try:
+        with torch.no_grad():
+            for i in range(count):
+                if batch is None:
+                    feeds = steps[i]
+                else:  # the denoise step is filled from the prefill's logits
+                    feeds = batch.prefill_step() if i == 0 else batch.denoise_step(logits.numpy())
+                if pools is None:
+                    pools = allocate_pools(cfg, int(feeds["slot_ids"].max()) + 1, pool_len)
+                if i == count - 1 and not include_lm_head:  # logits never read: no lm_head GEMM (0.3 TFLOP at full size)
+                    model.logits = lambda h: h[..., :0]
+                logits, _, pools = model.step({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}, pools)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.__dict__.pop("logits", None)
+    missing = wanted - set(amax)
+    if missing:
+        raise CloverError("fp8", f"calibration saw no input for {sorted(missing)[:3]}", "an exporter bug")
+    return amax
+
+
+def step_pool_len(steps: list[dict], block_size: int) -> int:
+    return max(int(f["past_len"].max()) + f["input_ids"].shape[1] for f in steps) + block_size
+
+
+# --- graph rewrite -----------------------------------------------------------
+def _external(name: str, data_type: int, shape, location: str, offset: int, length: int) -> TensorProto:
+    t = TensorProto(name=name, data_type=data_type, dims=list(shape))
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        t.external_data.add(key=k, value=v)
+    return t
+
+
+def _fp8_pair(name: str, entry: dict, rel: str) -> tuple[TensorProto, TensorProto]:
+    """The e4m3 weight and its fp32 scales, both read from the shared fp8.bin (`fp8_weights`)."""
+    off, n = entry["fp8"]
+    s_off, s_len, s_shape = entry["scale"]
+    return (_external(f"{name}.fp8", TensorProto.FLOAT8E4M3FN, entry["shape"], rel, off, n),
+            _external(f"{name}.scale", TensorProto.FLOAT, s_shape, rel, s_off, s_len))
+
+
+def source_plans(art) -> dict:
+    """The checkpoint tensor plans of an exported artefact (its manifest names the model folder)."""
+    from clover_export.core.checkpoint import locate_tensors, plan_tensors
+
+    return plan_tensors(art.config, locate_tensors(Path(art.manifest["model_dir"])), allow_qwen=True)
+
+
+def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False,
+                   force: bool = False, weights=None) -> Fp8Report:
+    """Write the FP8 artefact of the exported folder `src_dir` into `out_dir` (atomically; `out_dir` new,
+    empty, or with `force` an earlier FP8 graph: `clover_export.artifact.outdir`).
+
+    `weights`: the build's shared `fp8_weights.Fp8Weights`, linked into the new folder; without it
+    the weights are quantised here (for this one graph)."""
+    from clover_export.quantize.weights import load_fp8_weights, quantize_weights
+    from clover_export.artifact.outdir import claim_dir, commit_dir
+    from clover_export.artifact.manifest import COPY_BELOW, load_artifact, read_weight_map
+    from clover_export.exporter.weights import copy_file, link_file
+
+    art = load_artifact(src_dir)
+    wmap = read_weight_map(art)
+    proto = onnx.load(str(art.graph_path), load_external_data=False)
+    g = proto.graph
+    producer = {o: n for n in g.node for o in n.output}
+    targets = fp8_weight_names(art.config, include_lm_head)
+    report = Fp8Report(include_lm_head=include_lm_head)
+
+    out_dir = claim_dir(out_dir, "fp8", command="quantize", force=force, model_dirs=[art.dir])
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        (tmp / "weights").mkdir()
+        rel = f"weights/{FP8_BIN}"
+        if weights is None:
+            own = quantize_weights(source_plans(art), targets, tmp / ".fp8")
+            (own.dir / FP8_BIN).rename(tmp / rel)
+            report.bytes_written = own.bytes_written
+            index = own.index
+            shutil.rmtree(own.dir)
+        else:
+            weights = load_fp8_weights(Path(weights)) if isinstance(weights, (str, Path)) else weights
+            index = weights.index
+            try:
+                if link_file(weights.bin.resolve(), tmp / rel, copy_up_to=COPY_BELOW) == "copy":
+                    report.bytes_written = (tmp / rel).stat().st_size
+            except OSError:  # another filesystem: one copy for this folder
+                report.bytes_written = copy_file(weights.bin, tmp / rel)
+        new_nodes: list[onnx.NodeProto] = []
+        weight_nodes: list[onnx.NodeProto] = []  # weight DQ (+ Cast): first, their Transpose comes before the MatMul
+        qdq_of: dict[str, str] = {}  # activation -> its DQ output
+        zero = helper.make_tensor("fp8_zero_point", TensorProto.FLOAT8E4M3FN, [], [0])
+        g.initializer.append(zero)
+        for node in g.node:
+            if node.op_type == "MatMul" and node.input[1] in producer and producer[node.input[1]].op_type == "Transpose":
+                tr = producer[node.input[1]]
+                wname = tr.input[0]
+                if wname in index:
+                    w8, s = _fp8_pair(wname, index[wname], rel)
+                    g.initializer.extend([w8, s])
+                    weight_nodes.append(helper.make_node("DequantizeLinear", [w8.name, s.name], [f"{wname}.dq"],
+                                                         axis=0, name=f"{wname}.DequantizeLinear"))
+                    if art.dtype != "fp32":
+                        weight_nodes.append(helper.make_node("Cast", [f"{wname}.dq"], [f"{wname}.dq.cast"],
+                                                          to=TensorProto.BFLOAT16))
+                    tr.input[0] = f"{wname}.dq" if art.dtype == "fp32" else f"{wname}.dq.cast"
+                    x = node.input[0]
+                    if x not in qdq_of:
+                        qdq_of[x] = _activation_qdq(new_nodes, g, x, amax[wname], report, art.dtype)
+                    node.input[0] = qdq_of[x]
+                    report.gemms += 1
+            if node.op_type == CORESET_MOE.name and node.domain == NAMESPACE:
+                args = []
+                for wname in node.input[2:4]:
+                    if wname not in index:
+                        raise CloverError("fp8", f"{node.name}: no FP8 weights for {wname}", "an exporter bug")
+                    w8, s = _fp8_pair(wname, index[wname], rel)
+                    g.initializer.extend([w8, s])
+                    args += [w8.name, s.name]
+                    report.expert_tensors += 1
+                node.op_type = CORESET_MOE_FP8.name  # same attributes; inputs in the FP8 contract's order
+                del node.input[2:]
+                node.input.extend(args)
+            new_nodes.append(node)
+        _replace_nodes(g, _live(weight_nodes + new_nodes, [o.name for o in g.output]))
+        used_names = {i for n in g.node for i in n.input}
+        kept = [i for i in g.initializer if i.name in used_names]
+        del g.initializer[:]
+        g.initializer.extend(kept)
+        linked = _link_source_files(g, art.dir, tmp)
+        from clover_export.artifact.manifest import COMPANION_FILES
+
+        for fname in COMPANION_FILES:  # tokenizer and generation defaults travel with every artefact
+            if (art.dir / fname).is_file():
+                shutil.copyfile(art.dir / fname, tmp / fname)
+        used = _attach_functions(proto, function_proto(CORESET_MOE_FP8))
+        onnx.save(proto, str(tmp / "model.onnx"))
+        manifest = dict(art.manifest)
+        manifest["quantization"] = {**report.to_dict(), "source": str(art.dir.resolve())}
+        manifest["ops"] = manifest_entry(used)
+        manifest["weights"] = {**manifest["weights"], "fp8_file": rel, "source_files": linked}
+        manifest.pop("tensorrt", None)
+        if art.dtype != "fp32" and art.weights_mode != "map":  # engine-bound: the graph TensorRT parses
+            from clover_export.exporter.trt_graph import write_trt_graph
+            from clover_export.artifact.manifest import pool_len
+
+            manifest["tensorrt"] = write_trt_graph(tmp, proto, art.config.num_experts,
+                                                   pool_len(art.manifest, art.config.max_context))
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        fp8_map = {k: v for k, v in wmap.items() if k in used_names}
+        for t in g.initializer:
+            if t.data_location == TensorProto.EXTERNAL and t.name not in fp8_map:
+                ext = {e.key: e.value for e in t.external_data}
+                fp8_map[t.name] = {"file": ext["location"], "offset": int(ext["offset"]), "length": int(ext["length"]),
+                                   "dtype": "F8_E4M3" if t.data_type == TensorProto.FLOAT8E4M3FN else "F32",
+                                   "shape": list(t.dims)}
+        (tmp / "weights.json").write_text(json.dumps({"mode": art.weights_mode, "tensors": fp8_map}, indent=2))
+        commit_dir(tmp, out_dir, "fp8", command="quantize", force=force, model_dirs=[art.dir])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProto]:
+    """Nodes some graph output depends on (the Cast / Concat chains of replaced weights go), in order."""
+    needed, keep = set(outputs), []
+    for n in reversed(nodes):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(_inputs(n))
+    return keep[::-1]
+
+
+def _inputs(node: onnx.NodeProto) -> set[str]:
+    """A node's inputs, including the outer-scope names its subgraphs (If / Loop bodies) read."""
+    out = {i for i in node.input if i}
+    for a in node.attribute:
+        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for n in sub.node:
+                out |= _inputs(n)
+    return out
+
+
+def _activation_qdq(nodes, g, x: str, amax: float, report: Fp8Report, dtype: str) -> str:
+    scale = activation_scale(amax)
+    report.activations[x] = scale
+    g.initializer.append(numpy_helper.from_array(np.array(scale, np.float32), f"{x}.act_scale"))
+    src = x
+    if dtype != "fp32":  # opset 20 Q/DQ take fp32 scales with fp32 data: cast around them
+        nodes.append(helper.make_node("Cast", [x], [f"{x}.f32"], to=TensorProto.FLOAT))
+        src = f"{x}.f32"
+    nodes.append(helper.make_node("QuantizeLinear", [src, f"{x}.act_scale", "fp8_zero_point"], [f"{x}.q"]))
+    nodes.append(helper.make_node("DequantizeLinear", [f"{x}.q", f"{x}.act_scale", "fp8_zero_point"], [f"{x}.dq"]))
+    if dtype == "fp32":
+        return f"{x}.dq"
+    nodes.append(helper.make_node("Cast", [f"{x}.dq"], [f"{x}.dq.cast"], to=TensorProto.BFLOAT16))
+    return f"{x}.dq.cast"
+
+
+def _attach_functions(proto: onnx.ModelProto, fp8: onnx.FunctionProto) -> list[str]:
+    """Attach the CoresetMoEFP8 function, keep only the functions some node calls; returns the custom ops used."""
+    used = {n.op_type for n in proto.graph.node if n.domain == NAMESPACE}
+    kept = [f for f in proto.functions if f.domain == NAMESPACE and f.name in used and f.name != fp8.name]
+    del proto.functions[:]
+    proto.functions.extend(kept + ([fp8] if fp8.name in used else []))
+    return sorted(used)
+
+
+def _replace_nodes(g, nodes) -> None:
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def _link_source_files(g, src_dir: Path, dst_dir: Path) -> dict[str, str]:
+    """Give the new folder every in-folder file the remaining initializers read: reflink or hard link
+    (zero copy), else copy. ONNX and ONNX Runtime only read external data inside the model's folder."""
+    from clover_export.artifact.manifest import COPY_BELOW
+    from clover_export.exporter.weights import copy_file, link_file
+
+    how = {}
+    for t in g.initializer:
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        loc = next(e.value for e in t.external_data if e.key == "location")
+        if loc in how or loc == f"weights/{FP8_BIN}" or not (src_dir / loc).exists():
+            continue  # absent: a `map` entry, fed from the checkpoint by `ort_session`
+        dst = dst_dir / loc
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            how[loc] = link_file((src_dir / loc).resolve(), dst, copy_up_to=COPY_BELOW)
+        except OSError:
+            copy_file((src_dir / loc).resolve(), dst)
+            how[loc] = "copy"
+    return how
