@@ -175,8 +175,8 @@ def main() -> None:
             if not args.keep:
                 shutil.rmtree(work / "build-bf16")
         if args.only in (None, "fp8"):
-            from clover_export.pipeline.disk_plan import fp8_weight_file_bytes
             from clover_export.model.sizing import weight_bytes
+            from clover_export.pipeline.disk_plan import fp8_weight_file_bytes
 
             cfg = full_size_config()
             fp8_file = fp8_weight_file_bytes(cfg)

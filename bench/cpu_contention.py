@@ -33,8 +33,8 @@ SPIN = "import time, sys\nend = time.time() + float(sys.argv[1])\nwhile time.tim
 
 def child(backend: str, policy: str, seconds: float) -> None:
     """One configuration: prints one JSON line {steps, step_s[]}."""
-    from clover_export.runtime import Generator
     from clover_export.backends.threads import usable_cores
+    from clover_export.runtime import Generator
 
     threads = usable_cores() if policy == "before" else None
     gen = Generator.load("tiny", backend=backend, max_slots=1, threads=threads,

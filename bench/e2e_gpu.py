@@ -39,12 +39,11 @@ if "--dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
-from clover_export.core import names  # noqa: E402
-
-from clover_export.model import perf_bound
-from clover_export.core.config import config_from_dict  # noqa: E402
-from clover_export.model.model import CloverModel, Cores, init_random_  # noqa: E402
 from clover_export.backends.torch_backend import in_place_cores  # noqa: E402
+from clover_export.core import names  # noqa: E402
+from clover_export.core.config import config_from_dict  # noqa: E402
+from clover_export.model import perf_bound
+from clover_export.model.model import CloverModel, Cores, init_random_  # noqa: E402
 from clover_export.testing.cuda import copy_bandwidth, init_random_on_device_  # noqa: E402
 from clover_export.testing.fullsize import full_size_config  # noqa: E402
 

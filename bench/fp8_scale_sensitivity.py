@@ -16,8 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from clover_export.quantize import calibration, graph as fp8
 from clover_export.artifact.manifest import load_artifact
+from clover_export.quantize import calibration
+from clover_export.quantize import graph as fp8
 
 
 def main(build_dir: str, factors: list[float]) -> None:

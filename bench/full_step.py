@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from clover_export.core import names
-
 from clover_export.model import perf_bound
 from clover_export.model.model import CloverModel, Cores, allocate_pools
 from clover_export.testing.cuda import init_random_on_device_

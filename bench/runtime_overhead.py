@@ -42,8 +42,8 @@ def prepare(root: Path, backend: str) -> tuple[Path, str, str]:
         return model_dir, backend, ""
     try:
         from clover_export.exporter import load_artifact  # noqa: F401
-        from clover_export.exporter.session import ort_session
         from clover_export.exporter.export import export
+        from clover_export.exporter.session import ort_session  # noqa: F401
     except ImportError as e:
         return model_dir, "torch", f"exporter not ready ({e}); measured the torch backend instead"
     art = root / "mid-ort-fp32"

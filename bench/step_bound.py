@@ -45,11 +45,10 @@ if "--dry-run" in sys.argv:  # the interpreter must be on before triton is impor
 import torch  # noqa: E402
 
 from clover_export.core import names  # noqa: E402
-
-from clover_export.model import perf_bound
-from clover_export.quantize.scales import dequantize, quantize_weight  # noqa: E402
+from clover_export.model import perf_bound  # noqa: E402
 from clover_export.model.model import CloverModel, allocate_pools  # noqa: E402
 from clover_export.model.moe import moe_core  # noqa: E402
+from clover_export.quantize.scales import dequantize, quantize_weight  # noqa: E402
 from clover_export.testing.cuda import copy_bandwidth, graph_ms  # noqa: E402
 from clover_export.testing.fullsize import full_size_config  # noqa: E402
 

@@ -22,8 +22,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from clover_export.core.checkpoint import save_checkpoint  # noqa: E402
-from clover_export.model.model import allocate_pools  # noqa: E402
 from clover_export.model.loading import load_model  # noqa: E402
+from clover_export.model.model import allocate_pools  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 TOL = 1e-4  # max |logits - transformers| in fp32

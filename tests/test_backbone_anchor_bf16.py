@@ -22,7 +22,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_backbone_anchor import build, full_pass, hf_logits, random_ids
 
 transformers = pytest.importorskip("transformers")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from clover_export.model.model import allocate_pools, init_random_
-from clover_export.model.loading import build_model
-from clover_export.tiny import tiny_config
 from reference_literal import literal_step
+
+from clover_export.model.loading import build_model
+from clover_export.model.model import allocate_pools, init_random_
+from clover_export.tiny import tiny_config
 
 LIN, FULL = "linear_attention", "full_attention"
 N = 8  # block size of the test model

@@ -60,9 +60,9 @@ def test_second_build_reuses_everything(built):
 def test_fp8_below_the_gate_fails_the_build_before_the_engine_stage(built, monkeypatch):
     """Regression (issue 10): below FP8_MIN_AGREEMENT the build used to print a WARNING and go on to the
     engine stage. Now it fails with the figures, measured (API) or reused from build.json (CLI)."""
+    from clover_export.core.errors import CloverError
     from clover_export.pipeline import build as B
     from clover_export.quantize import calibration
-    from clover_export.core.errors import CloverError
 
     out, _ = built
     path = out / "build.json"
@@ -118,10 +118,10 @@ def test_build_refuses_a_plan_that_does_not_fit(tmp_path):
 def test_every_problem_is_reported_at_once_before_any_work(tiny_dir, tmp_path, monkeypatch):
     """Seven problems in one fp8 build, each found by the checks before the first stage: all of them reported in
     one error, one line each (a fact found by two checks once), and nothing written, not even OUT."""
-    from clover_export.pipeline import build as B
-    from clover_export.pipeline import disk_plan
     from clover_export.core.errors import CloverError
     from clover_export.exporter import export as export_module
+    from clover_export.pipeline import build as B
+    from clover_export.pipeline import disk_plan
 
     model = shutil.copytree(tiny_dir, tmp_path / "model", ignore=shutil.ignore_patterns("tokenizer.json"))
     config = json.loads((model / "config.json").read_text())
@@ -204,10 +204,10 @@ def test_engine_bound_folders_carry_the_trt_graph_and_pass_check(built):
 def test_disk_plan_counts_a_small_checkpoint_copied_in_link_mode(tmp_path):
     """`--weights link` copies a checkpoint up to COPY_BELOW where the filesystem has no reflinks (exports.md):
     the plan counts those bytes for each graph (a full-size checkpoint, linked, counts none: test_build_fullsize)."""
-    from clover_export.core.config import load_config
-    from clover_export.pipeline.disk_plan import checkpoint_bytes, plan_disk
     from clover_export.artifact.manifest import COPY_BELOW
+    from clover_export.core.config import load_config
     from clover_export.model.loading import resolve_model_dir
+    from clover_export.pipeline.disk_plan import checkpoint_bytes, plan_disk
 
     model = resolve_model_dir("tiny")
     shards = checkpoint_bytes(model)

@@ -17,9 +17,9 @@ import pytest
 import torch
 from onnx import TensorProto
 
+from clover_export.core.errors import CloverError
 from clover_export.pipeline import build as B
 from clover_export.quantize import weights as fp8_weights
-from clover_export.core.errors import CloverError
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 OPTS = dict(precision="fp8", max_batch=2, max_context=64, chunk=16, validation="slice")
@@ -46,8 +46,8 @@ def resumed(model, tmp_path_factory):
             raise KeyboardInterrupt
         return real(w)
 
-    from clover_export.quantize import stream_calib
     from clover_export.core.names import EMBED, LM_HEAD
+    from clover_export.quantize import stream_calib
 
     streamed, handed = stream_calib.streamed_model, [[], []]  # per build: what each streamed model was handed
 
@@ -187,9 +187,9 @@ def test_fp8_weights_written_once_and_shared(resumed):
 
 def test_fp8_graph_from_shared_weights_matches_the_per_graph_quantisation(resumed, tmp_path):
     """The fp32-activation FP8 graph built from the shared file computes what a stand-alone rewrite computes."""
-    from clover_export.quantize.graph import quantize_graph
     from clover_export.artifact.manifest import load_artifact
     from clover_export.exporter.session import ort_session
+    from clover_export.quantize.graph import quantize_graph
     from clover_export.verify.validate import NUM_SLOTS, initial_pools, make_feeds, pool_len, scenario
 
     out, _, _ = resumed
@@ -219,11 +219,11 @@ def test_slice_hands_its_embedding_and_lm_head_to_the_streamed_calibration(model
     exactly as when it reads them itself; a tensor not as the model keeps it is read instead."""
     from clover_export.core.checkpoint import load_state_dict
     from clover_export.core.config import load_config
+    from clover_export.core.names import EMBED, LM_HEAD
     from clover_export.quantize.calibration import BUILTIN_PROMPTS, prompt_batch
     from clover_export.quantize.graph import calibrate
     from clover_export.quantize.stream_calib import streamed_model
     from clover_export.verify import slice as S
-    from clover_export.core.names import EMBED, LM_HEAD
 
     keep: dict = {}
     assert S.validate_slices(model, tmp_path / "w", 8, 16, 2, keep=keep).passed
@@ -319,12 +319,11 @@ def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
     every layer reuses (experts, and the other weights cast in two more), its experts used from there (views,
     no copy); the read-ahead gives the same
     calibration as reading each layer on entry, and both the same as the whole model."""
+    from clover_export.core.checkpoint import load_state_dict
+    from clover_export.core.config import load_config
     from clover_export.quantize.calibration import BUILTIN_PROMPTS, prompt_batch
     from clover_export.quantize.graph import calibrate
     from clover_export.quantize.stream_calib import streamed_model
-
-    from clover_export.core.checkpoint import load_state_dict
-    from clover_export.core.config import load_config
     from clover_export.tiny import write_model_folder
 
     ckpt = write_model_folder(tmp_path / "per-expert", load_state_dict(model, load_config(model)),
@@ -354,8 +353,8 @@ def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
 
 
 def test_routed_moe_core_equals_the_dense_core():
-    from clover_export.quantize.stream_calib import routed_moe_core
     from clover_export.model.moe import moe_core
+    from clover_export.quantize.stream_calib import routed_moe_core
 
     g = torch.Generator().manual_seed(0)
     B, T, D, E, I, N = 3, 12, 16, 10, 8, 4
@@ -372,8 +371,8 @@ def test_routed_moe_core_equals_the_dense_core():
 def test_routed_moe_core_casts_stored_experts_exactly(blocks):
     """bf16 experts (fused, or per expert as row blocks, as a per-expert checkpoint is read) under an fp32
     model: each expert cast into reused buffers gives the dense core on the fp32 casts, every expert routed."""
-    from clover_export.quantize.stream_calib import routed_moe_core
     from clover_export.model.moe import moe_core
+    from clover_export.quantize.stream_calib import routed_moe_core
 
     g = torch.Generator().manual_seed(1)
     B, T, D, E, I, N = 2, 40, 16, 6, 8, 4
@@ -405,7 +404,7 @@ def test_streamed_layers_hold_one_layer_at_a_time(model):
 def test_zero_and_constant_tensors_get_finite_scales(tmp_path):
     from safetensors.torch import save_file
 
-    from clover_export.core.checkpoint import read_header, TensorPlan
+    from clover_export.core.checkpoint import TensorPlan, read_header
 
     tensors = {"zero": torch.zeros(3, 4, 8, dtype=torch.bfloat16), "const": torch.full((5, 8), -2.5, dtype=torch.bfloat16),
                "mixed": torch.cat([torch.zeros(2, 8), torch.randn(2, 8)]).to(torch.bfloat16)}

@@ -9,14 +9,13 @@ import warnings
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from clover_export.core import names
-from clover_export.core.checkpoint import INDEX_FILE, load_state_dict, save_checkpoint
+from clover_export.core.checkpoint import INDEX_FILE, load_state_dict
 from clover_export.core.config import load_config
 from clover_export.core.errors import CloverError
-from clover_export.model.model import init_random_
 from clover_export.model.loading import build_model, load_model
+from clover_export.model.model import init_random_
 from clover_export.tiny import tiny_config, tiny_config_dict, write_model_folder
 
 SMALL = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,

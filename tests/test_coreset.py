@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-
-from clover_export.core.assumed import coreset_mask
-from clover_export.model.model import allocate_pools, init_random_
-from clover_export.model.moe import moe_core, route
-from clover_export.model.loading import build_model
-from clover_export.tiny import tiny_config
 from reference_literal import aggregate, literal_distinct, order_desc, top_k_experts
 from reference_literal import coreset as literal_coreset
+
+from clover_export.core.assumed import coreset_mask
+from clover_export.model.loading import build_model
+from clover_export.model.model import allocate_pools, init_random_
+from clover_export.model.moe import moe_core, route
+from clover_export.tiny import tiny_config
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

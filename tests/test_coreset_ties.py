@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from clover_export.model.moe import moe_core
 from coreset_tie_case import KEPT, K, N, tie_case
 from test_export_ops import one_node_model, ort_outputs
+
+from clover_export.model.moe import moe_core
 
 
 @pytest.mark.parametrize("top_p", sorted(KEPT))

@@ -216,7 +216,7 @@ def test_write_failure_surfaces_and_leaves_nothing(tmp_path, monkeypatch):
     """A full disk mid-file: the error names the file and says why, and quantize_weights leaves no temp folder."""
     import errno
 
-    from clover_export.core.checkpoint import TensorLocation, TensorPlan
+    from clover_export.core.checkpoint import TensorPlan
     from clover_export.quantize import weights as fp8_weights
 
     state = {"w": torch.randn(64, 32).to(torch.bfloat16)}

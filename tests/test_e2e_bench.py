@@ -29,8 +29,8 @@ def test_e2e_gpu_dry_run_covers_every_section(tmp_path):
     kinds = {(r["experts"], r["router"], r["step"]) for r in rows}
     assert kinds == {(e, r, s) for e in ("bf16", "fp8") for r in ("random", "zipf")
                      for s in ("denoise", "commit+denoise", "ar")}, (res["sections"], proc.stdout[-2000:])
-    from clover_export.model import perf_bound
     from clover_export.core.config import config_from_dict
+    from clover_export.model import perf_bound
 
     cfg = config_from_dict(res["config"])  # the dry run's config, as the script recorded it
     assert (cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok) == (2, 8, 2)

@@ -17,18 +17,18 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
+from test_export_loaders import no_reflinks
 
+from clover_export.artifact import manifest as A
 from clover_export.core import names
 from clover_export.core.checkpoint import locate_tensors
 from clover_export.core.errors import CloverError
-from clover_export.artifact import manifest as A
 from clover_export.exporter import load_artifact
-from clover_export.exporter.session import ort_session
-from clover_export.verify import validate as V
 from clover_export.exporter import weights as W
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.export import export
-from test_export_loaders import no_reflinks
+from clover_export.exporter.session import ort_session
+from clover_export.verify import validate as V
 
 
 def as_large_checkpoint_without_reflinks(m: pytest.MonkeyPatch) -> None:

@@ -25,8 +25,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from clover_export.cli import main
 from clover_export.artifact import manifest as A
+from clover_export.cli import main
 from clover_export.exporter import weights as W
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.export import export

@@ -13,8 +13,8 @@ import torch
 
 from clover_export.core import names
 from clover_export.exporter import load_artifact
-from clover_export.verify import validate as V
 from clover_export.exporter.export import export
+from clover_export.verify import validate as V
 
 G, A = "linear_attention", "full_attention"
 

@@ -22,16 +22,17 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from clover_export.core import names
-from clover_export.quantize import calibration, graph as fp8
-from clover_export.quantize.scales import quantize_weight
 from clover_export.artifact.manifest import load_artifact
-from clover_export.exporter.session import ort_session
+from clover_export.core import names
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.export import export
+from clover_export.exporter.session import ort_session
 from clover_export.model.moe import moe_core_fp8
 from clover_export.plugins.contracts import CORESET_MOE_FP8, NAMESPACE
 from clover_export.plugins.onnx_ops import OPSET, function_proto, node_attributes
+from clover_export.quantize import calibration
+from clover_export.quantize import graph as fp8
+from clover_export.quantize.scales import quantize_weight
 
 log = logging.getLogger(__name__)
 

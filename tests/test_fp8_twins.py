@@ -16,14 +16,15 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from clover_export.quantize import calibration, graph as fp8
-from clover_export.verify.twins import compare_twins, find_twin, require_twins
-from clover_export.quantize.weights import FP8_BIN
-from clover_export.core.errors import CloverError
 from clover_export.artifact.manifest import load_artifact
+from clover_export.core.errors import CloverError
 from clover_export.exporter.export import export
 from clover_export.exporter.weights import logical_name
 from clover_export.model.sizing import fp8_weight_names
+from clover_export.quantize import calibration
+from clover_export.quantize import graph as fp8
+from clover_export.quantize.weights import FP8_BIN
+from clover_export.verify.twins import compare_twins, find_twin, require_twins
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_export_ops import core_outputs, one_node_model, ort_outputs
 
 Hk, Hv, DK, DV, K, N = 1, 2, 128, 32, 4, 2  # one k-head shared by two v-heads, a short block

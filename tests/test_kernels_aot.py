@@ -286,9 +286,9 @@ def test_shared_expert_joins_the_grouped_gemms_where_it_can():
     routed experts' width and dtype: Clover-35B-A3B yes; FP8 experts or the tiny default (64 vs 32) no."""
     import torch
 
-    from clover_export.plugins.triton import ops
     from clover_export.backends.fp8_experts import Fp8Experts
     from clover_export.backends.triton_backend import KernelMoE, kernel_cores
+    from clover_export.plugins.triton import ops
 
     assert REAL.moe_intermediate_size == REAL.shared_expert_intermediate_size == 512
     assert kernel_cores(KernelMoE(None), REAL).moe_block is not None

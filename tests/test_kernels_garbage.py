@@ -292,8 +292,8 @@ MOE = dict(B=2, T=3, K=2, E=4, D=32, I=16)
 def moe_values(op: str, seed=0):
     import torch
 
-    from clover_export.quantize.scales import quantize_weight
     from clover_export.plugins.contracts import MOE_SUBOPS
+    from clover_export.quantize.scales import quantize_weight
 
     d = MOE
     g = torch.Generator().manual_seed(seed)

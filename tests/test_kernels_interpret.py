@@ -54,9 +54,10 @@ def gdn_case(B=2, Hk=2, Hv=4, dk=16, dv=16, K=4, N=5, Tc=19, S=3, nc=(19, 2), ch
 def gdn_trained_like_case(Tc=128, chunk=32, split=True):
     """Keys sharing a direction, slow decay, beta ~1, dk = 128 (tests/test_gdn_numerics.py): the kernel's
     chunk inverse must not cancel (STEP_GRAPH.md 2)."""
+    from test_gdn_numerics import trained_like_case
+
     from clover_export.model.gdn import gdn_core
     from clover_export.plugins.triton.ops import block_gdn
-    from test_gdn_numerics import trained_like_case
 
     t, a = trained_like_case(Tc=Tc, key_noise=2.5)
     names = ("mixed_qkv", "a", "b", "conv_w", "conv_w_right", "A_log", "dt_bias", "block_scale", "block_gate")
@@ -118,9 +119,9 @@ def attention_trt_split_case(B=2, H=4, Hkv=2, hd=16, N=4, Tc=5, S=3, L=4096, pas
     import torch
 
     from clover_export.plugins import contracts
-    from clover_export.plugins.trt import plan
     from clover_export.plugins.triton import attention as kern
     from clover_export.plugins.triton.launch import attention_split_cap
+    from clover_export.plugins.trt import plan
 
     T = Tc + N
     q, k, v, kp, vp, ids, want = _attention_step(B, H, Hkv, hd, N, Tc, S, L, past, nc, seed)
@@ -156,9 +157,9 @@ def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=
              hot=False):
     import torch
 
-    from clover_export.quantize.scales import dequantize, quantize_weight
     from clover_export.model.moe import moe_core
     from clover_export.plugins.triton.ops import coreset_moe
+    from clover_export.quantize.scales import dequantize, quantize_weight
 
     g = torch.Generator().manual_seed(seed)
     T = Tc + N
@@ -229,9 +230,9 @@ def moe_fp8_f16_case(act_dtype="float32", seed=7, B=2, Tc=3, N=5, D=64, E=8, I=3
     of the float64 reference, rows far outside fp16's range (1e6 x: overflow, 1e-3 x: subnormals) included."""
     import torch
 
-    from clover_export.quantize.scales import dequantize, quantize_weight
     from clover_export.model.moe import moe_core
     from clover_export.plugins.triton.ops import coreset_moe
+    from clover_export.quantize.scales import dequantize, quantize_weight
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, Tc + N, D, generator=g)
@@ -259,10 +260,10 @@ def moe_w8a8_case(B=2, Tc=40, N=8, D=64, E=8, I=32, k=2, seed=13):
     import torch
     import torch.nn.functional as F
 
-    from clover_export.quantize.scales import dequantize, quantize_weight
     from clover_export.model import moe_split as ms
     from clover_export.model.moe import moe_core
     from clover_export.plugins.triton.ops import act_quant, coreset_moe
+    from clover_export.quantize.scales import dequantize, quantize_weight
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, Tc + N, D, generator=g) * torch.logspace(-2, 2, D)[torch.randperm(D, generator=g)]
@@ -315,9 +316,10 @@ def moe_align_case(seed=14, E=37, P=700):
 
 def moe_tie_case(top_p):
     """tests/coreset_tie_case.py: the coreset boundary on fp32 rounding (assumed.coreset_mask's rule)."""
+    from coreset_tie_case import KEPT, K, N, tie_case
+
     from clover_export.model.moe import moe_core
     from clover_export.plugins.triton.ops import coreset_moe
-    from coreset_tie_case import KEPT, K, N, tie_case
 
     t = tie_case()
     want = moe_core(t["x"], t["router_w"], t["gate_up"], t["down"], K, top_p, True, N)

@@ -13,10 +13,17 @@ import importlib
 
 import pytest
 
-from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_GDN, CONTRACTS, CORESET_MOE, CORESET_MOE_FP8,
-                                            MOE_SUBOPS, TRT_CONTRACTS)
-from clover_export.plugins.trt import plan
+from clover_export.plugins.contracts import (
+    BLOCK_ATTENTION,
+    BLOCK_GDN,
+    CONTRACTS,
+    CORESET_MOE,
+    CORESET_MOE_FP8,
+    MOE_SUBOPS,
+    TRT_CONTRACTS,
+)
 from clover_export.plugins.triton import launch
+from clover_export.plugins.trt import plan
 
 GDN_SHAPES = {"mixed_qkv": (2, 64, 8192), "a": (2, 64, 32), "b": (2, 64, 32), "conv_w": (8192, 4),
               "conv_w_right": (8192, 4), "A_log": (32,), "dt_bias": (32,), "block_scale": (32,), "block_gate": (32,),

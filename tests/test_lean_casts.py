@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from clover_export.exporter import load_artifact
-
-from clover_export.exporter.session import ort_session
-from clover_export.verify import validate as V
 from clover_export.exporter.export import export
 from clover_export.exporter.lean_casts import lean_graph, weight_casts
+from clover_export.exporter.session import ort_session
+from clover_export.verify import validate as V
 
 LAYERS = ["linear_attention", "full_attention"]
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from clover_export.core import names
-from clover_export.model.model import allocate_pools
-from clover_export.model.loading import load_model
-from clover_export.backends.torch_backend import TorchBackend
 from test_loop import LONG, PROMPTS, check_same, run_both
+
+from clover_export.backends.torch_backend import TorchBackend
+from clover_export.core import names
+from clover_export.model.loading import load_model
+from clover_export.model.model import allocate_pools
 
 
 class CacheFree:
@@ -73,8 +73,8 @@ def test_torch_logits_shift_matches_cache_free_reference(shifted_model, shifted_
 @pytest.mark.slow
 def test_ort_logits_shift_matches_cache_free_reference(shifted_model, shifted_dir, tok, tmp_path):
     pytest.importorskip("onnxruntime")
-    from clover_export.exporter.export import export
     from clover_export.backends.ort_backend import OrtBackend
+    from clover_export.exporter.export import export
 
     art = tmp_path / "shifted-fp32"
     export(shifted_dir, art, dtype="fp32", weights="copy", slots=2, max_batch=2, max_len=512)

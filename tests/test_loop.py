@@ -26,10 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from clover_export.model.model import allocate_pools
 from clover_export.backends.torch_backend import TorchBackend
+from clover_export.model.model import allocate_pools
 from clover_export.runtime.generator import Generator
-
 
 LOGIT_EPS = 5e-4  # top-2 logit gap of a filled position below this: unclear
 LOGIT_NOISE = 1e-5  # logit differences the two sides may have (fp32, other summation orders)

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from clover_export.core.config import config_from_dict
-from clover_export.tensorrt.memory_plan import plan_memory, require_fit
 from clover_export.core.errors import CloverError
 from clover_export.model.sizing import GiB
+from clover_export.tensorrt.memory_plan import plan_memory, require_fit
 from clover_export.tiny import tiny_config
 
 FULL = config_from_dict(json.loads(open("clover_export/data/clover_35b_a3b_config.json").read()))

@@ -66,9 +66,9 @@ def test_reference_chain_equals_moe_core(case, dtype):
 
 
 def test_reference_chain_fp8_equals_moe_core_fp8():
-    from clover_export.quantize.scales import quantize_weight
     from clover_export.model.moe import moe_core_fp8
     from clover_export.model.moe_split import moe_chain
+    from clover_export.quantize.scales import quantize_weight
 
     x, rw, gu, dn = make_case(seed=7)
     (gq, gs), (dq, ds) = quantize_weight(gu), quantize_weight(dn)
@@ -106,9 +106,9 @@ def launch_as_tensorrt(op: str, inputs: dict, attrs: dict, outputs: dict) -> Non
 
 
 def chain_case(name: str, fp8: bool = False):
-    from clover_export.quantize.scales import quantize_weight
     from clover_export.model import moe_split as S
     from clover_export.model.moe import moe_core, moe_core_fp8
+    from clover_export.quantize.scales import quantize_weight
 
     kw, attrs = CASES[name]
     N = kw.get("N", 5)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from clover_export.core.errors import CloverError
 from clover_export.artifact.manifest import FORMAT
 from clover_export.artifact.outdir import claim_dir, claim_file, commit_dir
+from clover_export.core.errors import CloverError
 
 
 def user_folder(path: Path, n: int = 6) -> dict[str, str]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from clover_export.model import perf_bound as pb
 from clover_export.core.config import config_from_dict
+from clover_export.model import perf_bound as pb
 
 H200_COPY = 4.14e12  # bytes/s, the bandwidth PERF.md's table uses
 

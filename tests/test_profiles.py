@@ -2,10 +2,10 @@
 
 import pytest
 
-from clover_export.tensorrt.profiles import BuildSettings
-from clover_export.tensorrt.builder import tensorrt_version
 from clover_export.core.errors import CloverError
 from clover_export.exporter.export import profile_shapes, profiles
+from clover_export.tensorrt.builder import tensorrt_version
+from clover_export.tensorrt.profiles import BuildSettings
 
 
 def test_manifest_profiles_cover_every_kind_of_step_full_size():

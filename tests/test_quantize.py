@@ -8,8 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from clover_export.quantize.scales import (E4M3_MAX, activation_scale, dequantize, quantize, quantize_weight,
-                                            relative_error_bound, weight_scales)
+from clover_export.quantize.scales import (
+    E4M3_MAX,
+    activation_scale,
+    dequantize,
+    quantize,
+    quantize_weight,
+    relative_error_bound,
+    weight_scales,
+)
 
 
 def reference_quantize(x: np.ndarray, scale: np.ndarray) -> np.ndarray:

@@ -8,13 +8,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from clover_export.backends.torch_backend import TorchBackend
 from clover_export.cli import main
 from clover_export.core.errors import CloverError
 from clover_export.model.loading import load_model
-from clover_export.backends.torch_backend import TorchBackend
-from clover_export.runtime.generator import Generator, context_needed
 from clover_export.model.tokenizer import ChatTokenizer
-
+from clover_export.runtime.generator import Generator, context_needed
 
 LOGIT_ATOL = 1e-4
 PROMPT = "What is 123 + 456?"

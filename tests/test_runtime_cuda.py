@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_loop import LONG, PROMPTS, check_same, run_both  # the literal DECODING.md reference, margin rule
 
 GPU_ATOL = 1e-3

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clover_export.core.errors import CloverError
 from clover_export.backends.torch_backend import TorchBackend
+from clover_export.core.errors import CloverError
 from clover_export.runtime.generator import Generator
 
 PROMPT = "What is 123 + 456?"

@@ -4,15 +4,13 @@ greedy tokens (margin rule of test_loop.py) and block logits within tolerance.""
 from __future__ import annotations
 
 import pytest
-
 from test_loop import LONG, PROMPTS, check_same, run_both  # the literal DECODING.md reference, margin rule
-
 
 
 def exporter_api():
     try:
         from clover_export.exporter import load_artifact  # noqa: F401
-        from clover_export.exporter.session import ort_session
+        from clover_export.exporter.session import ort_session  # noqa: F401
     except ImportError:
         return None
     from clover_export.exporter.export import export
@@ -48,11 +46,11 @@ def test_ort_matches_the_literal_reference_and_torch(artifact, model, tiny_dir, 
 
 
 def test_generator_loads_an_artifact_by_its_manifest(artifact):
+    import json
+
     from click.testing import CliRunner
 
     from clover_export.cli import main
-
-    import json
 
     r = CliRunner().invoke(main, ["generate", str(artifact), "--prompt", "Hi", "--max-new-tokens", "8", "--json"])
     assert r.exit_code == 0, r.output

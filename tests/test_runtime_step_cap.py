@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clover_export.model.loading import load_model
 from clover_export.backends.torch_backend import TorchBackend
+from clover_export.model.loading import load_model
 from clover_export.runtime.generator import Generator
 
 # threshold 1.0: no confidence is above it, so exactly one position fills per step (the most confident):

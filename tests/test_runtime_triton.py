@@ -41,11 +41,11 @@ def fp8_case():
     """One step with experts quantised at load (CoresetMoEFP8 kernels) vs the torch backend on the dequantised experts."""
     import torch
 
-    from clover_export.core import names
-    from clover_export.quantize.scales import dequantize
     from clover_export.backends.fp8_experts import expert_names
     from clover_export.backends.torch_backend import TorchBackend
     from clover_export.backends.triton_backend import TritonBackend
+    from clover_export.core import names
+    from clover_export.quantize.scales import dequantize
 
     fp8 = TritonBackend.load(None, device="cpu", fp8_experts=True)
     ref = TorchBackend.load(None, device="cpu", dtype="fp32")
@@ -208,9 +208,9 @@ def test_a_step_past_the_buckets_is_refused_when_graphs_only(monkeypatch):
     """Graphs only: a step no captured bucket holds raises one CloverError naming the shape (no replay)."""
     import torch
 
-    from clover_export.core import names
     from clover_export.backends.cuda_graphs import Bucket, StepGraphs
     from clover_export.backends.triton_backend import TritonBackend
+    from clover_export.core import names
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     be = TritonBackend.load(None, device="cpu")
@@ -287,9 +287,9 @@ def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
     the torch backend's (plain-torch cores), so this checks the padding, not the kernels."""
     import torch
 
-    from clover_export.core import names
     from clover_export.backends.cuda_graphs import Bucket, StepGraphs
     from clover_export.backends.torch_backend import TorchBackend
+    from clover_export.core import names
 
     be = TorchBackend.load(tiny_dir, device="cpu", dtype="fp32")
     N, slots = be.block_size, 5
@@ -337,10 +337,10 @@ def test_fp8_experts_read_from_an_fp8_artefact_are_its_e4m3_bytes_and_scales(tmp
     equal to quantize_weight of the source weights, with its scales."""
     import torch
 
-    from clover_export.quantize.scales import quantize_weight
-    from clover_export.model.loading import load_model
     from clover_export.backends.fp8_experts import expert_names
     from clover_export.backends.triton_backend import TritonBackend
+    from clover_export.model.loading import load_model
+    from clover_export.quantize.scales import quantize_weight
     from clover_export.tiny import generate_random_tiny
     from tests.test_fp8_graph import build_fp8
 

@@ -10,7 +10,6 @@ from clover_export.core.generation import GenerationSettings
 from clover_export.runtime.controls import RowParams, param_row
 from clover_export.runtime.selector import choose, fill, sample
 
-
 MASK = 3
 V = 12
 

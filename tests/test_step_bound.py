@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from clover_export.model import perf_bound
 from clover_export.core.config import config_from_dict
+from clover_export.model import perf_bound
 from clover_export.testing.fullsize import full_size_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from clover_export.backends.torch_backend import TorchBackend
 from clover_export.core import names
 from clover_export.model.model import allocate_pools
-from clover_export.backends.torch_backend import TorchBackend
 
 SLOTS = 3
 

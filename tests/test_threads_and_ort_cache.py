@@ -13,11 +13,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from clover_export.core.errors import CloverError
-from clover_export.backends.torch_backend import TorchBackend
-from clover_export.runtime.generator import Generator
 from clover_export.backends import ort_cache, threads
 from clover_export.backends.threads import ENV
+from clover_export.backends.torch_backend import TorchBackend
+from clover_export.core.errors import CloverError
+from clover_export.runtime.generator import Generator
 
 
 def threads_seen_in_steps(backend, tiny_dir, caller_threads: int) -> set[int]:
@@ -69,8 +69,8 @@ def test_bad_thread_counts_are_refused(model, tiny_dir):
 def test_generate_tiny_with_ort_exports_once_then_reuses(tmp_path, monkeypatch):
     """From a clean cache: the first run exports into it (one line says so), the second reuses the entry."""
     pytest.importorskip("onnxruntime")
-    from clover_export.cli import main
     from clover_export.backends import ort_cache
+    from clover_export.cli import main
 
     monkeypatch.setenv("CLOVER_EXPORT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(ENV, raising=False)

@@ -11,7 +11,6 @@ backend's, and `validate` (which plays a full chunk) passes.
 from __future__ import annotations
 
 import pytest
-
 from trained_like import gdn_statistics, make_trained_like
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the committee reviews the annual budget. " * 30
@@ -88,9 +87,9 @@ def prefill_block_logits(backend, prompt_ids, chunk=256):
 def test_ort_block_logits_equal_the_torch_backend(checkpoint, artifact, prompt_ids):
     import numpy as np
 
-    from clover_export.verify.validate import fp32_tolerance
     from clover_export.backends.ort_backend import OrtBackend
     from clover_export.backends.torch_backend import TorchBackend
+    from clover_export.verify.validate import fp32_tolerance
 
     want = prefill_block_logits(TorchBackend.load(checkpoint, dtype="fp32"), prompt_ids)
     got = prefill_block_logits(OrtBackend.load(artifact, providers=["CPUExecutionProvider"]), prompt_ids)

@@ -25,11 +25,11 @@ import torch
 from click.testing import CliRunner
 from onnx import helper
 
-from clover_export.plugins.trt import versions as V
 from clover_export.core.errors import CloverError
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.trt_graph import TRT_GRAPH, expected_plugin_layers, plugin_nodes, trt_graph
 from clover_export.plugins.contracts import NAMESPACE, TRT_CONTRACTS
+from clover_export.plugins.trt import versions as V
 
 BROKEN = "libnvinfer.so.10: cannot open shared object file: No such file or directory"
 
@@ -197,8 +197,8 @@ def test_missing_trt_graph_fails_for_bf16(bf16_export, tmp_path):
 
 
 def test_map_mode_cannot_reach_tensorrt(bf16_export, tmp_path):
-    from clover_export.pipeline.build import BuildOptions, build
     from clover_export.exporter.export import export
+    from clover_export.pipeline.build import BuildOptions, build
 
     model, _ = bf16_export
     out = tmp_path / "map"
@@ -255,7 +255,7 @@ def broken_tensorrt(tmp_path, monkeypatch):
 
 
 def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_export, tmp_path):
-    from clover_export.pipeline.build import BuildOptions, build
+    from clover_export.pipeline.build import BuildOptions, BuildResult, Stages, engine_stage
     from clover_export.tensorrt.builder import import_tensorrt, probe_tensorrt
 
     assert probe_tensorrt() == (None, f"ImportError: {BROKEN}")
@@ -359,9 +359,8 @@ def test_trt_graph_computes_what_model_onnx_computes(tiny_fp32_dir, tmp_path):
     from onnx.reference import ReferenceEvaluator
 
     from clover_export.artifact.manifest import load_artifact
-
-    from clover_export.exporter.session import ort_session
     from clover_export.exporter.export import export
+    from clover_export.exporter.session import ort_session
     from clover_export.verify.validate import _load_weights, small_step
 
     export(tiny_fp32_dir, tmp_path / "f32", dtype="fp32", weights="link", max_batch=2)

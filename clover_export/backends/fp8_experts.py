@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from clover_export.quantize.scales import FP8_DTYPE, quantize_weight
 from clover_export.core.errors import CloverError
+from clover_export.quantize.scales import FP8_DTYPE, quantize_weight
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 

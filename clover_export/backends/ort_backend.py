@@ -13,12 +13,11 @@ from pathlib import Path
 import torch
 
 from clover_export.artifact.manifest import pool_len
+from clover_export.backends.threads import check_threads, flops_per_row, ort_threads, torch_thread_scope, torch_threads
 from clover_export.core import names
 from clover_export.core.errors import CloverError
-from clover_export.model.model import allocate_pools
 from clover_export.model.loading import DEFAULT_MODEL
-from clover_export.backends.threads import (check_threads, flops_per_row, ort_threads, torch_thread_scope,
-                                           torch_threads)
+from clover_export.model.model import allocate_pools
 
 # torch dtype -> ONNX TensorProto element type
 _ONNX_TYPES = {torch.float32: 1, torch.int32: 6, torch.int64: 7, torch.bool: 9, torch.float16: 10,

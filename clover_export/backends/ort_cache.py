@@ -63,8 +63,8 @@ def _stderr(line: str) -> None:
 
 def exported_artifact(model: str | Path | None, log: Callable[[str], None] = _stderr) -> Path:
     """The cached fp32 export of MODEL (a model folder or `tiny`), made now if missing."""
-    from clover_export.exporter.export import export
     from clover_export.artifact.manifest import is_artifact
+    from clover_export.exporter.export import export
 
     model_dir = resolve_model_dir(model)
     entry = cache_entry(model_dir)

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
+from clover_export.backends.threads import check_threads, flops_per_row, torch_thread_scope, torch_threads
 from clover_export.core import names
 from clover_export.core.errors import CloverError
 from clover_export.model.attention import attention_core_in_place
 from clover_export.model.gdn import gdn_core_in_place
-from clover_export.model.model import CloverModel, Cores, allocate_pools
 from clover_export.model.loading import load_model, resolve_model_dir
-from clover_export.backends.threads import check_threads, flops_per_row, torch_thread_scope, torch_threads
+from clover_export.model.model import CloverModel, Cores, allocate_pools
 
 
 def in_place_cores(base: Cores, read_len: int) -> Cores:

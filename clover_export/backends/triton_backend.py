@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from clover_export.core import names
-from clover_export.core.errors import CloverError
-from clover_export.model.model import CloverModel, Cores, allocate_pools
-from clover_export.model.loading import load_model, resolve_model_dir
+from clover_export.backends.base import StepShape
 from clover_export.backends.cuda_graphs import StepGraphs, default_buckets
 from clover_export.backends.fp8_experts import Fp8Experts, from_artifact, quantise_at_load
 from clover_export.backends.torch_backend import check_device
-from clover_export.backends.base import StepShape
+from clover_export.core import names
+from clover_export.core.errors import CloverError
+from clover_export.model.loading import load_model, resolve_model_dir
+from clover_export.model.model import CloverModel, Cores, allocate_pools
 
 
 def check_target(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

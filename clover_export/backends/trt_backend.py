@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from clover_export.backends.base import StepShape
 from clover_export.core import names
 from clover_export.core.config import config_from_dict, load_config
-from clover_export.tensorrt.builder import import_tensorrt
 from clover_export.core.errors import CloverError
 from clover_export.model.model import allocate_pools
-from clover_export.backends.base import StepShape
+from clover_export.tensorrt.builder import import_tensorrt
 
 RUNTIME_NOTE = "install TensorRT 10+ (pip install tensorrt) on a CUDA machine, or use --backend ort/torch"
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")

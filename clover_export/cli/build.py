@@ -96,7 +96,8 @@ def build(model, out, precision, max_batch, max_context, chunk, weights, calib, 
     width instead, while the bf16 graph is exported in a background process.
     Ctrl-C keeps finished stages; re-running continues.
     """
-    from clover_export.pipeline.build import BuildOptions, build as run_build
+    from clover_export.pipeline.build import BuildOptions
+    from clover_export.pipeline.build import build as run_build
 
     opts = BuildOptions(precision=precision, max_batch=max_batch, max_context=max_context, chunk=chunk,
                         weights=weights, calib=calib, gpu_memory_gib=gpu_memory, strip_weights=strip_weights,

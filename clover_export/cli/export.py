@@ -111,8 +111,8 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
     from clover_export.verify.validate import validate
 
     if save_io:  # before any work
-        from clover_export.verify.validate import _inputs_path as inputs_path
         from clover_export.artifact.outdir import claim_file
+        from clover_export.verify.validate import _inputs_path as inputs_path
 
         for option, path in (("--save-io", save_io), ("--save-io's inputs file", inputs_path(Path(save_io)))):
             claim_file(path, "validate-io", command="validate", force=force, option=option)

@@ -144,14 +144,14 @@ def compare(golden, model, backend, allow_qwen, atol, device):
 
 def _reference_dir(model):
     """The model folder behind MODEL for the fp32 torch reference (an artifact's source folder)."""
-    from clover_export.model.loading import has_weights
     from clover_export.artifact.manifest import is_artifact
+    from clover_export.model.loading import has_weights
 
     if model is None or (Path(model) / "config.json").is_file():
         return model
     if is_artifact(model):
-        from clover_export.exporter import load_artifact
         from clover_export.backends.ort_backend import source_dir
+        from clover_export.exporter import load_artifact
 
         src = source_dir(load_artifact(model))
         if (src / "config.json").is_file() and has_weights(src):

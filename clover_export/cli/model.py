@@ -94,8 +94,8 @@ def forward(model, input_ids, mode, dtype, save, allow_qwen):
     import numpy as np
     import torch
 
-    from clover_export.model.model import allocate_pools
     from clover_export.model.loading import load_model, parse_dtype, resolve_model_dir
+    from clover_export.model.model import allocate_pools
 
     try:
         ids = [int(x) for x in input_ids.replace(" ", "").split(",") if x]

@@ -37,8 +37,8 @@ from pathlib import Path
 import onnx
 from onnx import AttributeProto, TensorProto
 
-from clover_export.core.errors import CloverError
 from clover_export.artifact import manifest as A
+from clover_export.core.errors import CloverError
 from clover_export.exporter.trace import IR_VERSION, OPSET
 from clover_export.plugins.contracts import CONTRACTS, NAMESPACE, PLUGIN_VERSION
 
@@ -403,9 +403,9 @@ def _check_profiles(proto, manifest: dict, rep):
 
 # --- TensorRT: model.trt.onnx ------------------------------------------------------
 def _check_tensorrt(folder: Path, manifest: dict, proto, rep):
-    from clover_export.plugins.trt.versions import FEATURES, MIN_TENSORRT, version_text
     from clover_export.exporter.trt_graph import AOT_ATTR, TRT_GRAPH, plugin_nodes
     from clover_export.plugins.contracts import TRT_CONTRACTS
+    from clover_export.plugins.trt.versions import FEATURES, MIN_TENSORRT, version_text
 
     if manifest.get("weights", {}).get("mode") == "map":
         rep.add("fail", "weights", "map mode (the checkpoint referenced in place through weights.json) cannot reach "

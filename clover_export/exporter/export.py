@@ -23,18 +23,17 @@ from pathlib import Path
 from typing import Callable
 
 import onnx
-import torch
 
+from clover_export.artifact import manifest as A
+from clover_export.artifact.outdir import claim_dir, commit_dir
 from clover_export.core import names
 from clover_export.core.checkpoint import locate_tensors, plan_tensors
 from clover_export.core.config import CloverConfig, load_config
 from clover_export.core.errors import CloverError
-from clover_export.artifact import manifest as A
 from clover_export.exporter.trace import BATCH, IR_VERSION, OPSET, POOL_LEN, SLOTS, STEP_LEN, trace_step
 from clover_export.exporter.trt_graph import TRT_GRAPH, write_trt_graph
 from clover_export.exporter.weights import WeightReport, WeightWriter, shard_bytes
 from clover_export.model.loading import parse_dtype, resolve_model_dir
-from clover_export.artifact.outdir import claim_dir, commit_dir
 from clover_export.plugins import contracts
 
 DEFAULT_CHUNK = 256

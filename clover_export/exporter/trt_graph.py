@@ -31,8 +31,16 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT,
-                                            CORESET_MOE, CORESET_MOE_FP8, NAMESPACE, PLUGIN_VERSION, TRT_CONTRACTS)
+from clover_export.plugins.contracts import (
+    BLOCK_ATTENTION,
+    BLOCK_ATTENTION_MERGE,
+    BLOCK_ATTENTION_SPLIT,
+    CORESET_MOE,
+    CORESET_MOE_FP8,
+    NAMESPACE,
+    PLUGIN_VERSION,
+    TRT_CONTRACTS,
+)
 
 TRT_GRAPH = "model.trt.onnx"
 AOT_ATTR = "aot"

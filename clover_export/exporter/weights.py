@@ -34,10 +34,10 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from clover_export.artifact import manifest as A
 from clover_export.core import names
 from clover_export.core.checkpoint import SAFETENSORS_DTYPE, TensorLocation, TensorPlan, TensorReader
 from clover_export.core.errors import CloverError
-from clover_export.artifact import manifest as A
 
 WEIGHTS_DIR = "weights"
 CONVERTED = "converted.bin"

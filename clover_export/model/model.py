@@ -18,8 +18,14 @@ from torch import nn
 from clover_export.core import names
 from clover_export.core.config import CloverConfig
 from clover_export.model.attention import attention_core
-from clover_export.model.functional import (apply_partial_rope, gated_residual, gated_rms_norm, rms_norm, rope_cos_sin,
-                                            swiglu)
+from clover_export.model.functional import (
+    apply_partial_rope,
+    gated_residual,
+    gated_rms_norm,
+    rms_norm,
+    rope_cos_sin,
+    swiglu,
+)
 from clover_export.model.gdn import gdn_core
 from clover_export.model.moe import moe_core
 

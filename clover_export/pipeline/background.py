@@ -47,8 +47,8 @@ class BackgroundWeights:
 
     def _run(self, model_dir: Path, cfg) -> None:
         from clover_export.core.checkpoint import locate_tensors, plan_tensors
-        from clover_export.quantize.weights import quantize_weights
         from clover_export.model.sizing import fp8_weight_names
+        from clover_export.quantize.weights import quantize_weights
 
         try:
             plans = plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=True)

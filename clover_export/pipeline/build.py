@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Callable
 
 from clover_export.artifact.manifest import BUILD_FILE
-from clover_export.quantize.calibration import FP8_MIN_AGREEMENT
 from clover_export.core.errors import CloverError
+from clover_export.quantize.calibration import FP8_MIN_AGREEMENT
 
 BUILD_WEIGHT_MODES = ("link", "copy")  # export's weight modes a build accepts (STEP_GRAPH.md 2: files beside the graph)
 ENGINE_FILE = "engine.plan"
@@ -170,12 +170,13 @@ def check_inputs(model, out, opts: BuildOptions, log: Callable[[str], None] = pr
     reported at once, one line each, and nothing is written (not even OUT)."""
     import warnings
 
+    from clover_export.artifact.outdir import claim_dir
     from clover_export.core.checkpoint import locate_tensors, plan_tensors
     from clover_export.core.config import load_config
-    from clover_export.pipeline.disk_plan import shortfall as disk_shortfall
-    from clover_export.tensorrt.memory_plan import plan_memory, shortfall as memory_shortfall
     from clover_export.model.loading import resolve_model_dir
-    from clover_export.artifact.outdir import claim_dir
+    from clover_export.pipeline.disk_plan import shortfall as disk_shortfall
+    from clover_export.tensorrt.memory_plan import plan_memory
+    from clover_export.tensorrt.memory_plan import shortfall as memory_shortfall
 
     problems: list[CloverError] = []
 
@@ -384,8 +385,8 @@ def stage_keys(base: tuple, opts: BuildOptions, prompts: list[str]) -> dict[str,
 
 
 def plan_disk_for(out: Path, cfg, model_dir: Path, opts: BuildOptions, keys: dict, stages: Stages):
-    from clover_export.pipeline.disk_plan import plan_disk
     from clover_export.model.sizing import weight_bytes
+    from clover_export.pipeline.disk_plan import plan_disk
 
     folders = {"export-fp32": out / "onnx-fp32", "export-bf16": out / "onnx-bf16", "fp8-weights": out / "fp8-weights"}
     todo = {name: not stages.done(name, keys[name], folders[name]) for name in folders if name in keys}
@@ -444,9 +445,9 @@ def fp8_weights_stage(out, fp32, stages, log, keys, res, writer=None):
     else:
         from tqdm import tqdm
 
-        from clover_export.quantize.graph import source_plans
         from clover_export.artifact.manifest import load_artifact
         from clover_export.model.sizing import fp8_weight_names
+        from clover_export.quantize.graph import source_plans
 
         art = load_artifact(fp32)
         weights = quantize_weights(source_plans(art), fp8_weight_names(art.config), wfolder,
@@ -552,8 +553,8 @@ def engine_blocker(precision: str, facts=None) -> str | None:
 
 
 def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, log) -> None:
-    from clover_export.pipeline.doctor import collect
     from clover_export.artifact.manifest import load_artifact
+    from clover_export.pipeline.doctor import collect
 
     art = load_artifact(graph)
     facts = collect()
@@ -566,9 +567,9 @@ def engine_stage(out, graph: Path, cfg, opts, max_context, base, stages, res, lo
         if opts.require_engine:
             raise CloverError("build", f"no engine was built: {why}", "run `clover-export doctor` to see what is missing")
         return
-    from clover_export.tensorrt.profiles import BuildSettings
-    from clover_export.tensorrt.builder import build_engine
     from clover_export.exporter.trt_graph import TRT_GRAPH
+    from clover_export.tensorrt.builder import build_engine
+    from clover_export.tensorrt.profiles import BuildSettings
 
     plan_path = graph / ENGINE_FILE  # beside its graph: `generate GRAPH_DIR --backend trt` finds it there
     key = _key("engine", opts.precision, opts.strip_weights, facts.tensorrt, facts.gpus[0]["name"], *base)

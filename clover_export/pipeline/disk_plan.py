@@ -58,8 +58,8 @@ def free_bytes(path: Path) -> int:
 
 def fp8_weight_file_bytes(cfg) -> int:
     from clover_export.core import names
-    from clover_export.quantize.weights import fp8_bytes
     from clover_export.model.sizing import fp8_weight_names
+    from clover_export.quantize.weights import fp8_bytes
 
     shapes = names.expected_tensors(cfg, clover=cfg.is_clover)
     return fp8_bytes({n: shapes[n] for n in fp8_weight_names(cfg)})

@@ -20,8 +20,14 @@ from __future__ import annotations
 import torch
 
 from clover_export.plugins import torch_ops
-from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_GDN, CORESET_MOE, CORESET_MOE_FP8, OpContract,
-                                            output_shapes)
+from clover_export.plugins.contracts import (
+    BLOCK_ATTENTION,
+    BLOCK_GDN,
+    CORESET_MOE,
+    CORESET_MOE_FP8,
+    OpContract,
+    output_shapes,
+)
 
 _REGISTERED: set[str] = set()
 

@@ -13,8 +13,7 @@ import importlib
 
 import torch
 
-from clover_export.plugins.contracts import (CONTRACTS, FIXED_DTYPES, OpContract, output_dtype_source,
-                                            output_shapes)
+from clover_export.plugins.contracts import CONTRACTS, FIXED_DTYPES, OpContract, output_dtype_source, output_shapes
 
 _SCHEMA_TYPES = {"int": "int", "float": "float", "bool": "bool"}
 

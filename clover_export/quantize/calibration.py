@@ -101,8 +101,8 @@ def calibration_steps(model_dir: Path, prompts: list[str], block_size: int, mode
     import torch
 
     from clover_export.core.config import load_config
-    from clover_export.model.model import allocate_pools
     from clover_export.model.loading import load_model
+    from clover_export.model.model import allocate_pools
 
     batch = prompt_batch(model_dir, prompts, block_size)
     first = batch.prefill_step()

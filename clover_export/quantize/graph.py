@@ -31,12 +31,12 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from clover_export.quantize.weights import FP8_BIN
-from clover_export.quantize.scales import activation_scale
 from clover_export.core.errors import CloverError
+from clover_export.model.sizing import fp8_weight_names
 from clover_export.plugins.contracts import CORESET_MOE, CORESET_MOE_FP8, NAMESPACE, manifest_entry
 from clover_export.plugins.onnx_ops import function_proto
-from clover_export.model.sizing import fp8_weight_names
+from clover_export.quantize.scales import activation_scale
+from clover_export.quantize.weights import FP8_BIN
 
 
 @dataclass
@@ -65,9 +65,9 @@ def calibrate(model_dir: Path, steps, block_size: int, include_lm_head: bool = F
     one layer's weights resident at a time).
     """
     from clover_export.core.config import load_config
-    from clover_export.quantize.calibration import PromptBatch
-    from clover_export.model.model import allocate_pools
     from clover_export.model.loading import load_model
+    from clover_export.model.model import allocate_pools
+    from clover_export.quantize.calibration import PromptBatch
 
     cfg = load_config(model_dir)
     if model is None:
@@ -141,10 +141,10 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
 
     `weights`: the build's shared `fp8_weights.Fp8Weights`, linked into the new folder; without it
     the weights are quantised here (for this one graph)."""
-    from clover_export.quantize.weights import load_fp8_weights, quantize_weights
-    from clover_export.artifact.outdir import claim_dir, commit_dir
     from clover_export.artifact.manifest import COPY_BELOW, load_artifact, read_weight_map
+    from clover_export.artifact.outdir import claim_dir, commit_dir
     from clover_export.exporter.weights import copy_file, link_file
+    from clover_export.quantize.weights import load_fp8_weights, quantize_weights
 
     art = load_artifact(src_dir)
     wmap = read_weight_map(art)
@@ -229,8 +229,8 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
         manifest["weights"] = {**manifest["weights"], "fp8_file": rel, "source_files": linked}
         manifest.pop("tensorrt", None)
         if art.dtype != "fp32" and art.weights_mode != "map":  # engine-bound: the graph TensorRT parses
-            from clover_export.exporter.trt_graph import write_trt_graph
             from clover_export.artifact.manifest import pool_len
+            from clover_export.exporter.trt_graph import write_trt_graph
 
             manifest["tensorrt"] = write_trt_graph(tmp, proto, art.config.num_experts,
                                                    pool_len(art.manifest, art.config.max_context))

@@ -36,16 +36,16 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
 
+from clover_export.backends import Backend, default_backend, open_backend
 from clover_export.core.errors import CloverError
 from clover_export.core.generation import GenerationSettings, load_generation_settings
-from clover_export.backends import Backend, default_backend, open_backend
+from clover_export.model.tokenizer import ChatTokenizer
 from clover_export.runtime.loop import BlockEvent, Loop
 from clover_export.runtime.output import Result, StreamChunk, TextTracker
 from clover_export.runtime.prefix_cache import DEFAULT_BUDGET_GB, PrefixCache
 from clover_export.runtime.request import Request
 from clover_export.runtime.runner import Runner
 from clover_export.runtime.scheduler import Scheduler
-from clover_export.model.tokenizer import ChatTokenizer
 
 
 def context_needed(prompt_len: int, max_new_tokens: int, block_size: int, alignment: str) -> int:

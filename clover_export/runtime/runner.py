@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
+from clover_export.backends.base import Backend
 from clover_export.core import names
 from clover_export.core.errors import CloverError
-from clover_export.backends.base import Backend
 from clover_export.runtime.controls import COLUMNS, RowParams, param_row, thinking_open
 from clover_export.runtime.request import Request
 from clover_export.runtime.scheduler import StepPlan

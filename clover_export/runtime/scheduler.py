@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING, Iterator
 
 from clover_export.core.step_shape import StepShape

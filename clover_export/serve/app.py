@@ -63,8 +63,8 @@ class ServeOptions:
         return "clover-tiny" if self.model in (None, "tiny") else Path(self.model).resolve().name
 
     def load_generator(self):
-        from clover_export.runtime import Generator
         from clover_export.artifact.manifest import is_artifact
+        from clover_export.runtime import Generator
 
         backend = self.backend or ("ort" if is_artifact(self.model) else "torch")
         opts: dict[str, Any] = {}

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from clover_export.core.atomic import atomic_write
-from clover_export.tensorrt.profiles import BuildSettings
 from clover_export.core.errors import CloverError
-
+from clover_export.tensorrt.profiles import BuildSettings
 
 INSTALL_NOTE = "install the tensorrt wheel matching your CUDA (pip install tensorrt) on a machine with an NVIDIA GPU"
 BROKEN_NOTE = ("the tensorrt package is there but its import failed: check that the TensorRT and CUDA libraries "
@@ -149,8 +148,8 @@ FP8_FLAG_ENV = "CLOVER_TRT_FP8_FLAG"
 def fp8_builder_flag(trt_version: str, fp8_plugins: bool, strongly_typed: bool, environ=None) -> tuple[bool, str]:
     """(set BuilderFlag.FP8?, one line saying why) for a graph with or without FP8 plugins (MoEGateUpFP8 /
     MoEDownFP8 take e4m3 initialisers). docs/tensorrt.md, "BuilderFlag.FP8"."""
-    from clover_export.plugins.trt.versions import parse_version
     from clover_export.plugins.trt.plan import env_flag
+    from clover_export.plugins.trt.versions import parse_version
 
     forced = env_flag(FP8_FLAG_ENV, environ)
     if parse_version(trt_version)[0] >= 11:
@@ -169,9 +168,9 @@ def fp8_builder_flag(trt_version: str, fp8_plugins: bool, strongly_typed: bool, 
 def build_notes(trt_version: str | None, arch: int | None, environ=None) -> list[str]:
     """What the engine build decides for FP8 plugins and the AOT kernels' shared memory, one line each
     (`doctor`; the build logs the same lines for its own graph). Without TensorRT: what 10.x would get."""
-    from clover_export.tensorrt.profiles import BuildSettings
-    from clover_export.plugins.trt.versions import parse_version
     from clover_export.plugins.trt.plan import shared_memory_note
+    from clover_export.plugins.trt.versions import parse_version
+    from clover_export.tensorrt.profiles import BuildSettings
 
     lines = []
     version = trt_version or "10.9"

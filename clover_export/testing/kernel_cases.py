@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from clover_export.quantize.scales import dequantize, quantize_weight
 from clover_export.model.attention import attention_core
 from clover_export.model.gdn import gdn_core
 from clover_export.model.moe import moe_core
 from clover_export.plugins.triton.ops import block_attention, block_gdn, coreset_moe
+from clover_export.quantize.scales import dequantize, quantize_weight
 from clover_export.testing.fullsize import layer_sizes
 
 REAL = layer_sizes()  # D, E, k, I, Hk, Hv, dk, dv, K, H, Hkv, hd, N, top_p of the full-size config

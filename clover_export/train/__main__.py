@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 import torch
 
-from clover_export.core.atomic import atomic_write
 from clover_export.cli import OneLineErrors
+from clover_export.core.atomic import atomic_write
 from clover_export.train.trainer import TrainSettings, new_model, save_trained, train
 
 
@@ -58,12 +58,11 @@ def main(out_dir, steps, batch_size, lr, seed, threads, eval_every, eval_count, 
     the folder written is a complete model folder (BF16 safetensors, config,
     generation config, tokenizer) plus training.json with the training facts.
     """
+    from clover_export.artifact.outdir import claim_dir
     from clover_export.tiny import tokenizer_assets as tok
     from clover_export.train import tasks
     from clover_export.train.data import ChatCodec
     from clover_export.train.evaluate import load_for_eval, score
-
-    from clover_export.artifact.outdir import claim_dir
 
     out_dir = claim_dir(out_dir, "train", command="train", force=force)  # before training, not after
     torch.set_num_threads(threads)

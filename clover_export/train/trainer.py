@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from clover_export.core.config import config_from_dict
-from clover_export.model.model import CloverModel, allocate_pools, init_random_
 from clover_export.model.loading import build_model
+from clover_export.model.model import CloverModel, allocate_pools, init_random_
 from clover_export.train import tasks
 from clover_export.train.data import Batch, ChatCodec, encode, make_batch
 
@@ -129,9 +129,9 @@ def train(model: CloverModel, codec: ChatCodec, settings: TrainSettings, log=pri
 def save_trained(model: CloverModel, cfg_dict: dict, out_dir: Path, facts: dict,
                  generation_config: dict) -> Path:
     """Write the model folder (BF16 safetensors, config, generation config, tokenizer) + training.json."""
-    from clover_export.core.checkpoint import save_checkpoint
     import tempfile
 
+    from clover_export.core.checkpoint import save_checkpoint
     from clover_export.tiny import tokenizer_assets as tok
 
     with tempfile.TemporaryDirectory() as tmp:

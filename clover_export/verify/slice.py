@@ -146,9 +146,9 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
     """validate.py's scenario (draw 0) on ONNX Runtime, then on the reference slice; never both resident."""
     import onnxruntime as ort
 
-    from clover_export.verify import validate as V
     from clover_export.artifact.manifest import load_artifact
     from clover_export.exporter.session import ort_session
+    from clover_export.verify import validate as V
 
     art = load_artifact(folder)
     plans_ = V.scenario(art.block_size, art.chunk)
@@ -241,9 +241,13 @@ class _ReferenceSlice:
         from dataclasses import replace
 
         from clover_export.core.direct_io import DirectReader, empty, plan_targets, read_into
-        from clover_export.quantize.stream_calib import embedding_as_stored, reference_dtype, reference_weight
-        from clover_export.quantize.stream_calib import routed_moe_core
         from clover_export.model.loading import build_model
+        from clover_export.quantize.stream_calib import (
+            embedding_as_stored,
+            reference_dtype,
+            reference_weight,
+            routed_moe_core,
+        )
 
         self.model = build_model(scfg, torch.float32, device="meta", block_size=art.block_size)
         pre = preloaded or {}  # `_fed_weights`' tensors, shared with the ONNX Runtime run

@@ -22,9 +22,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from clover_export.quantize.weights import FP8_BIN
 from clover_export.core.errors import CloverError
 from clover_export.exporter.weights import logical_name
+from clover_export.quantize.weights import FP8_BIN
 
 FULL_COMPARE_BYTES = 2 * 1024**3  # e4m3 weights up to this size are compared whole, larger ones at both ends
 END_BYTES = 1 << 20

@@ -41,9 +41,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from clover_export.artifact.manifest import Artifact, load_artifact
 from clover_export.core import names
 from clover_export.core.errors import CloverError
-from clover_export.artifact.manifest import Artifact, load_artifact
 from clover_export.exporter.session import ort_session
 
 # max abs error of fp32 graphs, relative to the output's scale once that exceeds 1. The function bodies reproduce

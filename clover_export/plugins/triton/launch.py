@@ -15,9 +15,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT, BLOCK_GDN,
-                                            MOE_ALIGN, MOE_COMBINE, MOE_DOWN, MOE_DOWN_FP8, MOE_GATE_UP,
-                                            MOE_GATE_UP_FP8, MOE_ROUTE, OpContract)
+from clover_export.plugins.contracts import (
+    BLOCK_ATTENTION,
+    BLOCK_ATTENTION_MERGE,
+    BLOCK_ATTENTION_SPLIT,
+    BLOCK_GDN,
+    MOE_ALIGN,
+    MOE_COMBINE,
+    MOE_DOWN,
+    MOE_DOWN_FP8,
+    MOE_GATE_UP,
+    MOE_GATE_UP_FP8,
+    MOE_ROUTE,
+    OpContract,
+)
 
 # dtype spellings: contract / torch name -> Triton signature type
 TRITON_TYPES = {

@@ -16,8 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clover_export.plugins.contracts import (BLOCK_ATTENTION, BLOCK_ATTENTION_MERGE, BLOCK_ATTENTION_SPLIT, BLOCK_GDN,
-                                            MOE_SUBOPS, TRT_CONTRACTS, OpContract)
+from clover_export.plugins.contracts import (
+    BLOCK_ATTENTION,
+    BLOCK_ATTENTION_MERGE,
+    BLOCK_ATTENTION_SPLIT,
+    BLOCK_GDN,
+    MOE_SUBOPS,
+    TRT_CONTRACTS,
+    OpContract,
+)
 from clover_export.plugins.triton import launch
 from clover_export.plugins.triton.launch import io_dtypes  # noqa: F401  (the combinations below; register, tests)
 

@@ -27,8 +27,8 @@ from typing import List, Tuple, Union
 import tensorrt as trt
 import tensorrt.plugin as trtp
 
-from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT, TRT_CONTRACTS, OpContract
 import clover_export.plugins.trt.plan as plan
+from clover_export.plugins.contracts import BLOCK_ATTENTION_SPLIT, TRT_CONTRACTS, OpContract
 
 _TRT_DTYPES = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16, "int32": trt.int32,
                "float8_e4m3fn": getattr(trt, "fp8", None)}
