@@ -191,11 +191,15 @@ def main() -> None:
 
             stages = json.loads((work / "build-fp8" / "build.json").read_text())["stages"]
             qsec = stages["fp8-weights"]["result"]["seconds"]
-            print(f"fp8 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), {peak_line(r)}, bytes written "
-                  f"{written / GiB:.2f} GiB = {written / fp8_gemm:.3f} x the FP8 weight bytes ({fp8_gemm / GiB:.2f} GiB)")
-            print(f"  quantisation stage: {fp8_file / GiB:.2f} GiB in {qsec:.1f} s = {fp8_file / qsec / 2**20:.0f} MiB/s "
-                  f"vs plain write {fp8_file / plain / 2**20:.0f} MiB/s; wall {r['wall']:.0f} s vs target "
-                  f"1.5 x {plain:.0f} s + 120 s = {1.5 * plain + 120:.0f} s")
+            print(
+                f"fp8 build: wall {r['wall']:.1f} s (CPU {r['cpu']:.1f} s), {peak_line(r)}, bytes written "
+                f"{written / GiB:.2f} GiB = {written / fp8_gemm:.3f} x the FP8 weight bytes ({fp8_gemm / GiB:.2f} GiB)"
+            )
+            print(
+                f"  quantisation stage: {fp8_file / GiB:.2f} GiB in {qsec:.1f} s = {fp8_file / qsec / 2**20:.0f} MiB/s "
+                f"vs plain write {fp8_file / plain / 2**20:.0f} MiB/s; wall {r['wall']:.0f} s vs target "
+                f"1.5 x {plain:.0f} s + 120 s = {1.5 * plain + 120:.0f} s"
+            )
         if args.only == "fp8-weights":
             fp8_weights_only(ckpt, work)
     finally:
@@ -210,12 +214,15 @@ def fp8_weights_only(ckpt: Path, work: Path) -> None:
     nbytes = fp8_weight_file_bytes(full_size_config())
     plain = plain_write(work / "plain-write.bin", nbytes)
     print(f"plain sequential write of {nbytes / GiB:.2f} GiB: {plain:.1f} s ({nbytes / plain / 2**20:.0f} MiB/s)")
-    code = ("import sys, time, os; from pathlib import Path; from clover_export.core.config import load_config; "
-            "from clover_export.core.checkpoint import locate_tensors, plan_tensors; "
-            "from clover_export.model.sizing import fp8_weight_names; from clover_export.quantize.weights import quantize_weights; "
-            "m = Path(sys.argv[1]); cfg = load_config(m); plans = plan_tensors(cfg, locate_tensors(m)); "
-            "w = quantize_weights(plans, fp8_weight_names(cfg), Path(sys.argv[2])); "
-            "f = os.open(w.bin, os.O_RDONLY); os.fsync(f); print('written', w.bytes_written)")
+    code = (
+        "import sys, time, os; from pathlib import Path; from clover_export.core.config import load_config; "
+        "from clover_export.core.checkpoint import locate_tensors, plan_tensors; "
+        "from clover_export.model.sizing import fp8_weight_names; "
+        "from clover_export.quantize.weights import quantize_weights; "
+        "m = Path(sys.argv[1]); cfg = load_config(m); plans = plan_tensors(cfg, locate_tensors(m)); "
+        "w = quantize_weights(plans, fp8_weight_names(cfg), Path(sys.argv[2])); "
+        "f = os.open(w.bin, os.O_RDONLY); os.fsync(f); print('written', w.bytes_written)"
+    )
     r = run_tree([sys.executable, "-c", code, str(ckpt), str(work / "fp8-weights")], "the fp8-weights stage")
     wall, peak, cpu = r["wall"], r["peak"], r["cpu"]
     written = written_bytes(work / "fp8-weights", set())

@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     examples = tasks.heldout_examples(args.count)
     print(f"model {model_dir} | {len(examples)} held-out prompts ({', '.join(tasks.TASKS)}) | "
           f"enable_thinking={args.thinking} | greedy, penalties from generation_config | {args.threads} thread(s)")
-    header = f"{'backend':<22} {'top_p':>5} {'thr':>5} {'acc%':>6} {'tok/fwd':>8} {'fwd/block':>9} {'experts/block':>13} {'s':>6}"
+    header = (f"{'backend':<22} {'top_p':>5} {'thr':>5} {'acc%':>6} {'tok/fwd':>8} {'fwd/block':>9} "
+              f"{'experts/block':>13} {'s':>6}")
     results: dict[tuple[str, float, float], dict] = {}
     with tempfile.TemporaryDirectory(prefix="clover-bench-") as tmp:
         work = Path(tmp)

@@ -231,7 +231,9 @@ def main(argv=None):
                         "zipf": args.zipf, "dtype": "fp32" if dry else "bf16"}
     bench.res["config"] = cfg.to_dict()
     if not dry:
-        bench.res["env"]["driver"] = os.popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader").read().strip()
+        bench.res["env"]["driver"] = (
+            os.popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader").read().strip()
+        )
     bw, flops = measure_bw(device, dry)
     bench.res["env"].update(copy_TBps=bw / 1e12, matmul_TFLOPs=flops / 1e12)
     print(f"ENV {json.dumps(bench.res['env'])}", flush=True)
@@ -375,14 +377,23 @@ def summary(bench: Bench) -> None:
                      f"{r['step_ms']:.2f} | {r['bound_ms']:.2f} | {r['time_over_bound']:.2f} | "
                      f"{r['time_over_vendor_bound']:.2f} |")
     if bench.res["eager"]:
-        lines += ["", "| B | eager reference ms | kernels, no graph ms | compiled ms | compiled vs eager | vs no graph |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| B | eager reference ms | kernels, no graph ms | compiled ms | compiled vs eager | vs no graph |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in bench.res["eager"]:
-            lines.append(f"| {r['B']} | {r['eager_reference_ms']:.1f} | {r['kernels_no_graph_ms']:.2f} | "
-                         f"{r['compiled_ms']:.2f} | {r['compiled_vs_eager']:.1f}x | {r['compiled_vs_kernels_no_graph']:.1f}x |")
+            lines.append(
+                f"| {r['B']} | {r['eager_reference_ms']:.1f} | {r['kernels_no_graph_ms']:.2f} | "
+                f"{r['compiled_ms']:.2f} | {r['compiled_vs_eager']:.1f}x | {r['compiled_vs_kernels_no_graph']:.1f}x |"
+            )
     if bench.res["tokens_per_s"]:
-        lines += ["", "| experts | router | B | tok/fwd | block tok/s | AR tok/s | block/AR | block tok/s at bound "
-                  "| AR at bound | block share of bound | AR share of bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| experts | router | B | tok/fwd | block tok/s | AR tok/s | block/AR | block tok/s at bound "
+            "| AR at bound | block share of bound | AR share of bound |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in bench.res["tokens_per_s"]:
             lines.append(f"| {r['experts']} | {r['router']} | {r['B']} | {r['tokens_per_forward']} | "
                          f"{r['block_tokens_per_s']:.4g} | {r['ar_tokens_per_s']:.4g} | {r['block_over_ar']:.2f} | "

@@ -54,7 +54,9 @@ def main():
         model = CloverModel(cfg).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
     init_random_on_device_(model, router_std=args.router_std)
-    print(f"model on GPU in {time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+    print(
+        f"model on GPU in {time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True
+    )
     L = args.past + C + N
     g = torch.Generator(device="cuda").manual_seed(1)
     inputs = {

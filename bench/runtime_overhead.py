@@ -121,9 +121,12 @@ def main() -> int:
     host = wall / n - timers["runner"] / n
     step = wall / n
     dtype = args.dtype if backend == "torch" else gen.backend.art.dtype
-    print(f"backend {backend} ({dtype}) on {gen.runner.device} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads); "
-          f"model {gen.cfg.num_hidden_layers} layers, hidden {gen.cfg.hidden_size}, vocab {gen.cfg.vocab_size}; "
-          f"batch {args.batch} x {gen.block_size} block rows (+{gen.block_size} causal rows at commits)")
+    print(
+        f"backend {backend} ({dtype}) on {gen.runner.device} "
+        f"({os.cpu_count()} cores, {torch.get_num_threads()} torch threads); "
+        f"model {gen.cfg.num_hidden_layers} layers, hidden {gen.cfg.hidden_size}, vocab {gen.cfg.vocab_size}; "
+        f"batch {args.batch} x {gen.block_size} block rows (+{gen.block_size} causal rows at commits)"
+    )
     if note:
         print(f"note: {note}")
     print(f"per step: {step * 1e3:.2f} ms = engine {engine * 1e3:.2f} ms + select {select * 1e3:.2f} ms "

@@ -164,12 +164,23 @@ def main():
             lat_s = statistics.mean(o.latency for o in served)
             lat_d = statistics.mean(o.latency for o in direct)
             tokens = sum(o.tokens for o in served)
-            rows.append(dict(
-                concurrency=c, requests=n, req_per_s=n / s_wall, direct_req_per_s=n / d_wall,
-                ttfb_p50_ms=1e3 * pct([o.ttfb for o in served], 50), ttfb_p99_ms=1e3 * pct([o.ttfb for o in served], 99),
-                tokens_per_s=tokens / s_wall, direct_tokens_per_s=sum(o.tokens for o in direct) / d_wall,
-                latency_ms=1e3 * lat_s, direct_latency_ms=1e3 * lat_d, overhead_ms=1e3 * (lat_s - lat_d),
-                overhead_pct=100 * (lat_s - lat_d) / lat_s, mismatched=bad))
+            rows.append(
+                dict(
+                    concurrency=c,
+                    requests=n,
+                    req_per_s=n / s_wall,
+                    direct_req_per_s=n / d_wall,
+                    ttfb_p50_ms=1e3 * pct([o.ttfb for o in served], 50),
+                    ttfb_p99_ms=1e3 * pct([o.ttfb for o in served], 99),
+                    tokens_per_s=tokens / s_wall,
+                    direct_tokens_per_s=sum(o.tokens for o in direct) / d_wall,
+                    latency_ms=1e3 * lat_s,
+                    direct_latency_ms=1e3 * lat_d,
+                    overhead_ms=1e3 * (lat_s - lat_d),
+                    overhead_pct=100 * (lat_s - lat_d) / lat_s,
+                    mismatched=bad,
+                )
+            )
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     finally:
         proc.terminate()
@@ -178,10 +189,14 @@ def main():
           "| overhead ms (%) | lost/dup |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['req_per_s']:.2f} ({r['direct_req_per_s']:.2f}) | "
-              f"{r['ttfb_p50_ms']:.0f} / {r['ttfb_p99_ms']:.0f} | {r['tokens_per_s']:.1f} ({r['direct_tokens_per_s']:.1f}) "
-              f"| {r['latency_ms']:.0f} ({r['direct_latency_ms']:.0f}) | {r['overhead_ms']:+.0f} ({r['overhead_pct']:+.1f} %) "
-              f"| {r['mismatched']} |")
+        print(
+            f"| {r['concurrency']} | {r['req_per_s']:.2f} ({r['direct_req_per_s']:.2f}) | "
+            f"{r['ttfb_p50_ms']:.0f} / {r['ttfb_p99_ms']:.0f} | "
+            f"{r['tokens_per_s']:.1f} ({r['direct_tokens_per_s']:.1f}) "
+            f"| {r['latency_ms']:.0f} ({r['direct_latency_ms']:.0f}) | "
+            f"{r['overhead_ms']:+.0f} ({r['overhead_pct']:+.1f} %) "
+            f"| {r['mismatched']} |"
+        )
     if any(r["mismatched"] for r in rows):
         sys.exit(1)
 

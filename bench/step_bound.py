@@ -471,12 +471,24 @@ def main(argv=None) -> int:
                 mem_ms = 1e3 * by["total"] / copy_bw
                 comp_ms = 1e3 * 2 * compute * sc["B"] * (sc["C"] + sc["N"]) / (res["matmul_tflops"] * 1e12)
                 bound = max(mem_ms, comp_ms)
-                row = dict(name=sc["name"], router=router, B=sc["B"], causal_rows=sc["C"], block_rows=sc["N"],
-                           past=past, fp8_experts=sc["fp8"], ms=ms, bound_ms=bound, memory_bound_ms=mem_ms,
-                           compute_bound_ms=comp_ms, over_bound=ms / bound,
-                           peak_bound_ms=1e3 * by["total"] / PEAK_BW, over_peak_bound=ms * PEAK_BW / (1e3 * by["total"]),
-                           bytes_gb={k: v / 1e9 for k, v in by.items()},
-                           experts_per_layer=dict(mean=sum(union) / len(union), min=min(union), max=max(union)))
+                row = dict(
+                    name=sc["name"],
+                    router=router,
+                    B=sc["B"],
+                    causal_rows=sc["C"],
+                    block_rows=sc["N"],
+                    past=past,
+                    fp8_experts=sc["fp8"],
+                    ms=ms,
+                    bound_ms=bound,
+                    memory_bound_ms=mem_ms,
+                    compute_bound_ms=comp_ms,
+                    over_bound=ms / bound,
+                    peak_bound_ms=1e3 * by["total"] / PEAK_BW,
+                    over_peak_bound=ms * PEAK_BW / (1e3 * by["total"]),
+                    bytes_gb={k: v / 1e9 for k, v in by.items()},
+                    experts_per_layer=dict(mean=sum(union) / len(union), min=min(union), max=max(union)),
+                )
                 res["steps"].append(row)
                 print(f"STEP {sc['name']:24s} router={router:6s} {ms:8.3f} ms, bound {bound:7.3f} ms "
                       f"({ms / bound:.2f}x), {by['total'] / 1e9:.2f} GB, experts/layer "

@@ -85,8 +85,11 @@ def main() -> int:
             steps[ctx] = gen.generate(args.prompt, **params).denoise_steps
     rows = [(ctx, statistics.median(times[ctx]), steps[ctx]) for ctx in args.contexts]
     base = rows[0][1]
-    print(f"torch backend, {args.device} {args.dtype}, {args.threads} thread(s), {os.cpu_count()} cores; embedded default; "
-          f"prompt {args.prompt!r}, {args.steps} greedy steps")
+    print(
+        f"torch backend, {args.device} {args.dtype}, {args.threads} thread(s), {os.cpu_count()} cores; "
+        "embedded default; "
+        f"prompt {args.prompt!r}, {args.steps} greedy steps"
+    )
     for ctx, med, n in rows:
         print(f"max_context {ctx:>7}: median step {med * 1e3:8.2f} ms  ({med / base:5.2f}x)  "
               f"over {args.rounds} x {n} denoise steps")

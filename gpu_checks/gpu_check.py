@@ -283,10 +283,12 @@ def bench_moe(B: int, sweep: bool):
     info["target_fp8>=1.6x"] = "MET" if info["fp8_speedup"] >= FP8_TARGET else "MISSED"
     if sweep:  # which tiles stream the weights best (for launch.MOE_TILES)
         res = {}
-        for tiles in ({"BLOCK_N1": 64, "BLOCK_K1": 128, "BLOCK_N2": 64, "BLOCK_K2": 128, "num_stages": 4},
-                      {"BLOCK_N1": 128, "BLOCK_K1": 64, "BLOCK_N2": 128, "BLOCK_K2": 64, "num_stages": 4},
-                      {"BLOCK_N1": 64, "BLOCK_K1": 64, "BLOCK_N2": 128, "BLOCK_K2": 128, "num_stages": 3},
-                      {"BLOCK_N1": 32, "BLOCK_K1": 256, "BLOCK_N2": 64, "BLOCK_K2": 256, "num_stages": 3, "num_warps": 4}):
+        for tiles in (
+            {"BLOCK_N1": 64, "BLOCK_K1": 128, "BLOCK_N2": 64, "BLOCK_K2": 128, "num_stages": 4},
+            {"BLOCK_N1": 128, "BLOCK_K1": 64, "BLOCK_N2": 128, "BLOCK_K2": 64, "num_stages": 4},
+            {"BLOCK_N1": 64, "BLOCK_K1": 64, "BLOCK_N2": 128, "BLOCK_K2": 128, "num_stages": 3},
+            {"BLOCK_N1": 32, "BLOCK_K1": 256, "BLOCK_N2": 64, "BLOCK_K2": 256, "num_stages": 3, "num_warps": 4},
+        ):
             tag = ",".join(f"{a}={b}" for a, b in tiles.items())
             try:
                 res[tag] = (round(bench_ms(lambda: ops.moe_experts(x, idx, w, gu, dn, tiles=tiles)), 4),
@@ -392,8 +394,11 @@ def main() -> int:
         run.step(f"gdn.{str(dt)[6:]}.params_{str(pdt)[6:]}", lambda dt=dt, pdt=pdt: check_gdn(dt, pdt), min_left=60)
     for dt in (f32, bf16):
         for splits in (1, 4, None):
-            run.step(f"attention.{str(dt)[6:]}.splits_{splits or 'auto'}", lambda dt=dt, s=splits: check_attention(dt, s),
-                     min_left=60)
+            run.step(
+                f"attention.{str(dt)[6:]}.splits_{splits or 'auto'}",
+                lambda dt=dt, s=splits: check_attention(dt, s),
+                min_left=60,
+            )
     run.step("moe.float32", lambda: check_moe(f32), min_left=60)
     run.step("moe.bfloat16", lambda: check_moe(bf16), min_left=60)
     run.step("moe.bfloat16.fp8_weights", lambda: check_moe(bf16, fp8=True), min_left=60)

@@ -279,8 +279,15 @@ class AttentionRow:
             q = qg[h * 2 * hd: h * 2 * hd + hd]
             gates.append(qg[h * 2 * hd + hd: (h + 1) * 2 * hd])
             qs.append(rope(rms_norm_one_plus(q, P[S + "q_norm.weight"], self.eps), position, self.rot, self.theta))
-        ks = [rope(rms_norm_one_plus(kk[j * hd:(j + 1) * hd], P[S + "k_norm.weight"], self.eps), position, self.rot, self.theta)
-              for j in range(self.Hkv)]
+        ks = [
+            rope(
+                rms_norm_one_plus(kk[j * hd : (j + 1) * hd], P[S + "k_norm.weight"], self.eps),
+                position,
+                self.rot,
+                self.theta,
+            )
+            for j in range(self.Hkv)
+        ]
         vs = [vv[j * hd:(j + 1) * hd] for j in range(self.Hkv)]
         return qs, gates, ks, vs
 
@@ -313,7 +320,12 @@ class AttentionRow:
         bk = [torch.stack([p[2][j] for p in per]) for j in range(self.Hkv)]
         bv = [torch.stack([p[3][j] for p in per]) for j in range(self.Hkv)]
         return [
-            self.attend(qs, gates, lambda j: torch.cat([self.key[j, :n], bk[j]]), lambda j: torch.cat([self.value[j, :n], bv[j]]))
+            self.attend(
+                qs,
+                gates,
+                lambda j: torch.cat([self.key[j, :n], bk[j]]),
+                lambda j: torch.cat([self.value[j, :n], bv[j]]),
+            )
             for qs, gates, _, _ in per
         ]
 

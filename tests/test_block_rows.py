@@ -56,7 +56,9 @@ def run(model, ids, n_causal, has_block, slots, past_len, pools):
 
 
 def literal(model, ids, n_causal, has_block, slots, past_len, pools):
-    return literal_step(model.cfg, model.state_dict(), model.block_size, ids, n_causal, has_block, slots, past_len, pools)
+    return literal_step(
+        model.cfg, model.state_dict(), model.block_size, ids, n_causal, has_block, slots, past_len, pools
+    )
 
 
 def random_ids(gen, B, T, vocab):
@@ -72,7 +74,9 @@ def assert_pools_close(got, want, tol, what):
 
 def assert_pools_equal(got, want, what):
     for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"{what}: pool {i} not bit-exact (max diff {(a.float() - b.float()).abs().max().item()})"
+        assert torch.equal(a, b), (
+            f"{what}: pool {i} not bit-exact (max diff {(a.float() - b.float()).abs().max().item()})"
+        )
 
 
 def filled_pools(model, gen, slots=(2, 0), lengths=(11, 6)):
@@ -121,7 +125,10 @@ def test_block_logits_match_literal_from_nonempty_caches(model):
     errs["block-only step"] = (logits3 - lit_logits3).abs().max().item()
     assert torch.equal(sizes3, lit_sizes3)
 
-    print(f"max |logits - literal|: {errs}; logits scale {lit_logits.abs().max().item():.2f}; coreset sizes {sizes.tolist()}")
+    print(
+        f"max |logits - literal|: {errs}; logits scale {lit_logits.abs().max().item():.2f}; "
+        f"coreset sizes {sizes.tolist()}"
+    )
     for what, err in errs.items():
         assert err < 1e-4, f"{what}: block logits differ from the literal reference by {err}"
     # the test exercises the coreset: some layer keeps fewer experts than the block's plain top-k union
@@ -182,7 +189,9 @@ def test_rows_in_different_phases_match_alone(model):
         if has_block[r]:
             err = (logits[r] - a_logits[0]).abs().max().item()
             # fp32 noise only: padding changes the matmul shapes, hence the summation order (seen: 1.2e-5)
-            assert err < 1e-4 * max(1.0, logits[r].abs().max().item()), f"row {r}: batched vs alone logits differ by {err}"
+            assert err < 1e-4 * max(1.0, logits[r].abs().max().item()), (
+                f"row {r}: batched vs alone logits differ by {err}"
+            )
         assert torch.equal(sizes[r], a_sizes[0]), f"row {r}: coreset sizes {sizes[r].tolist()} vs {a_sizes[0].tolist()}"
         s = int(slots[r])
         assert_pools_close([p[s] for p in new], [p[s] for p in a_new], 1e-6, f"row {r} slot {s}")

@@ -209,7 +209,11 @@ def test_fp8_graph_from_shared_weights_matches_the_per_graph_quantisation(resume
 def test_slice_validation_ran_and_passed(resumed):
     out, logs, _ = resumed
     rec = json.loads((out / "build.json").read_text())["stages"]["validate-slices"]["result"]
-    assert rec["passed"] and len(rec["lines"]) == 1 and "layers 0 (linear_attention), 1 (full_attention)" in rec["lines"][0]
+    assert (
+        rec["passed"]
+        and len(rec["lines"]) == 1
+        and "layers 0 (linear_attention), 1 (full_attention)" in rec["lines"][0]
+    )
     assert any("[validate] a slice at full width" in line for line in logs[0])
 
 
@@ -328,7 +332,9 @@ def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
 
     ckpt = write_model_folder(tmp_path / "per-expert", load_state_dict(model, load_config(model)),
                               json.loads((model / "config.json").read_text()), per_expert=True)
-    assert any(".experts.0." in n for n in json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"])
+    assert any(
+        ".experts.0." in n for n in json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    )
     batch = prompt_batch(ckpt, BUILTIN_PROMPTS[:2], 8)
     plain = calibrate(ckpt, batch, 8, model=streamed_model(ckpt, 8, device="cpu", read_ahead=False))
     streamed = streamed_model(ckpt, 8, device="cpu")
@@ -358,8 +364,12 @@ def test_routed_moe_core_equals_the_dense_core():
 
     g = torch.Generator().manual_seed(0)
     B, T, D, E, I, N = 3, 12, 16, 10, 8, 4
-    args = (torch.randn(B, T, D, generator=g, dtype=torch.float64), torch.randn(E, D, generator=g, dtype=torch.float64),
-            torch.randn(E, 2 * I, D, generator=g, dtype=torch.float64), torch.randn(E, D, I, generator=g, dtype=torch.float64))
+    args = (
+        torch.randn(B, T, D, generator=g, dtype=torch.float64),
+        torch.randn(E, D, generator=g, dtype=torch.float64),
+        torch.randn(E, 2 * I, D, generator=g, dtype=torch.float64),
+        torch.randn(E, D, I, generator=g, dtype=torch.float64),
+    )
     for coreset in (True, False):
         want, wd = moe_core(*args, 3, 0.9, coreset, N)
         got, gd = routed_moe_core(*args, 3, 0.9, coreset, N)
@@ -406,8 +416,11 @@ def test_zero_and_constant_tensors_get_finite_scales(tmp_path):
 
     from clover_export.core.checkpoint import TensorPlan, read_header
 
-    tensors = {"zero": torch.zeros(3, 4, 8, dtype=torch.bfloat16), "const": torch.full((5, 8), -2.5, dtype=torch.bfloat16),
-               "mixed": torch.cat([torch.zeros(2, 8), torch.randn(2, 8)]).to(torch.bfloat16)}
+    tensors = {
+        "zero": torch.zeros(3, 4, 8, dtype=torch.bfloat16),
+        "const": torch.full((5, 8), -2.5, dtype=torch.bfloat16),
+        "mixed": torch.cat([torch.zeros(2, 8), torch.randn(2, 8)]).to(torch.bfloat16),
+    }
     save_file(tensors, str(tmp_path / "w.safetensors"))
     locs = read_header(tmp_path / "w.safetensors")
     plans = {n: TensorPlan(n, tuple(t.shape), ((locs[n],),), True) for n, t in tensors.items()}

@@ -115,7 +115,10 @@ def test_corrupt_header_truncated_shard_and_bad_index(tmp_path, small_state):
     (trunc / shards[-1].name).write_bytes(data[: len(data) - 100])
     assert "truncated" in errors_of(trunc)
     # index naming a missing file, and a path outside the folder
-    for fname, expect in (("model-99999-of-99999.safetensors", "does not exist"), ("../elsewhere.safetensors", "outside")):
+    for fname, expect in (
+        ("model-99999-of-99999.safetensors", "does not exist"),
+        ("../elsewhere.safetensors", "outside"),
+    ):
         idx = tmp_path / f"idx-{expect[:4]}"
         shutil.copytree(d, idx)
         index = json.loads((idx / INDEX_FILE).read_text())

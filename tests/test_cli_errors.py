@@ -50,28 +50,51 @@ CASES = {
 # OUT policy (clover_export/artifact/outdir.py, issue 10): a user's folder or file is never replaced, --force or not
 # (the policy's other cases are in test_outdir.py, without a subprocess each).
 # The commands run in {tmp}/work, a folder of the user's: `--out .` must not touch it.
-CASES.update({
-    "export_out_user_folder": (["export", "{tiny}", "--out", "{tmp}/mine"],
-                               ["[export]", "is not empty", "notes.txt", "results/"]),
-    "export_out_dot": (["export", "{tiny}", "--out", ".", "--force"], ["[export]", "is the working directory"]),
-    "export_out_earlier_export": (["export", "{tiny}", "--out", "{tmp}/earlier"], ["[export]", "earlier output", "--force"]),
-    "export_out_is_a_file": (["export", "{tiny}", "--out", "{tmp}/afile"], ["[cli]", "--out", "is a file"]),
-    "export_out_unwritable": (["export", "{tiny}", "--out", "/sys/clover-export-test"], ["[export]", "cannot create"]),
-    "build_out_user_folder": (["build", "{tiny}", "--out", "{tmp}/mine", "--force"], ["[build]", "is not empty"]),
-    "train_out_user_folder": (["@train", "--out", "{tmp}/mine", "--steps", "1", "--force"], ["[train]", "is not empty"]),
-    "validate_save_io_user_file": (["validate", "{tmp}/earlier", "--save-io", "{tmp}/mine/notes.txt", "--force"],
-                                   ["[validate]", "--save-io", "exists and is not"]),
-    "forward_save_is_a_folder": (["forward", "{tiny}", "--input-ids", "1", "--save", "{tmp}/mine"], ["[cli]", "--save"]),
-    # broken checkpoints
-    "export_corrupt_safetensors": (["export", "{tmp}/corrupt", "--out", "{tmp}/e1"],
-                                   ["[checkpoint]", "safetensors header is not valid JSON"]),
-    "export_missing_shard": (["export", "{tmp}/noshard", "--out", "{tmp}/e2"], ["[checkpoint]", "does not exist"]),
-    "unknown_option": (["export", "--bogus"], ["[cli]", "--bogus"]),
-})
+CASES.update(
+    {
+        "export_out_user_folder": (
+            ["export", "{tiny}", "--out", "{tmp}/mine"],
+            ["[export]", "is not empty", "notes.txt", "results/"],
+        ),
+        "export_out_dot": (["export", "{tiny}", "--out", ".", "--force"], ["[export]", "is the working directory"]),
+        "export_out_earlier_export": (
+            ["export", "{tiny}", "--out", "{tmp}/earlier"],
+            ["[export]", "earlier output", "--force"],
+        ),
+        "export_out_is_a_file": (["export", "{tiny}", "--out", "{tmp}/afile"], ["[cli]", "--out", "is a file"]),
+        "export_out_unwritable": (
+            ["export", "{tiny}", "--out", "/sys/clover-export-test"],
+            ["[export]", "cannot create"],
+        ),
+        "build_out_user_folder": (["build", "{tiny}", "--out", "{tmp}/mine", "--force"], ["[build]", "is not empty"]),
+        "train_out_user_folder": (
+            ["@train", "--out", "{tmp}/mine", "--steps", "1", "--force"],
+            ["[train]", "is not empty"],
+        ),
+        "validate_save_io_user_file": (
+            ["validate", "{tmp}/earlier", "--save-io", "{tmp}/mine/notes.txt", "--force"],
+            ["[validate]", "--save-io", "exists and is not"],
+        ),
+        "forward_save_is_a_folder": (
+            ["forward", "{tiny}", "--input-ids", "1", "--save", "{tmp}/mine"],
+            ["[cli]", "--save"],
+        ),
+        # broken checkpoints
+        "export_corrupt_safetensors": (
+            ["export", "{tmp}/corrupt", "--out", "{tmp}/e1"],
+            ["[checkpoint]", "safetensors header is not valid JSON"],
+        ),
+        "export_missing_shard": (["export", "{tmp}/noshard", "--out", "{tmp}/e2"], ["[checkpoint]", "does not exist"]),
+        "unknown_option": (["export", "--bogus"], ["[cli]", "--bogus"]),
+    }
+)
 # these two only mean something where CUDA / TensorRT are missing (skipped elsewhere)
 CASES["generate_cuda_missing"] = (["generate", "{tiny}", "--prompt", "hi", "--device", "cuda"],
                                   ["[runtime]", "--device cuda"])
-CASES["generate_trt_missing"] = (["generate", "{tiny}", "--prompt", "hi", "--backend", "trt"], ["[runtime]", "TensorRT"])
+CASES["generate_trt_missing"] = (
+    ["generate", "{tiny}", "--prompt", "hi", "--backend", "trt"],
+    ["[runtime]", "TensorRT"],
+)
 
 
 USER_FILES = {"work/draft.txt": "my draft", "mine/notes.txt": "my notes", "mine/results/run1.csv": "1,2",

@@ -41,7 +41,12 @@ def test_clover_defaults_and_rope_at_top_level():
     d.update(rope_theta=5e6, partial_rotary_factor=0.5)
     cfg = config_from_dict(d)
     assert (cfg.rope_theta, cfg.partial_rotary_factor) == (5e6, 0.5)
-    assert (cfg.block_size, cfg.moe_block_coreset_enabled, cfg.moe_block_coreset_top_p, cfg.max_context) == (32, True, 0.9, 131072)
+    assert (cfg.block_size, cfg.moe_block_coreset_enabled, cfg.moe_block_coreset_top_p, cfg.max_context) == (
+        32,
+        True,
+        0.9,
+        131072,
+    )
     assert cfg.logits_shift is False and cfg.block_alignment == "prompt_end"
     assert cfg.mask_token_id is None
     with pytest.raises(CloverError, match="mask_token_id"):

@@ -33,7 +33,9 @@ def sparse(rows: list[dict], pad: int):
     K = max(len(r) for r in rows)
     ids = [list(r) + [pad] * (K - len(r)) for r in rows]
     cnt = [list(r.values()) + [0] * (K - len(r)) for r in rows]
-    return torch.tensor(ids, dtype=torch.long).view(len(rows), K), torch.tensor(cnt, dtype=torch.float32).view(len(rows), K)
+    return torch.tensor(ids, dtype=torch.long).view(len(rows), K), torch.tensor(cnt, dtype=torch.float32).view(
+        len(rows), K
+    )
 
 
 def close(a, b):

@@ -219,9 +219,21 @@ def test_top_p_one_in_config_equals_coreset_disabled_in_model():
     """Through the whole model: `moe_block_coreset_top_p: 1.0` gives the same block logits as the coreset off."""
     LIN, FULL = "linear_attention", "full_attention"
     base = tiny_config(
-        hidden_size=32, num_hidden_layers=2, layer_types=[LIN, FULL], num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, block_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        layer_types=[LIN, FULL],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        block_size=8,
     )
     ref = init_random_(build_model(base), seed=5, std=0.2)
     with torch.no_grad():

@@ -29,7 +29,9 @@ def test_rules_for_known_machines():
 
 def test_doctor_on_this_machine_reports_what_it_finds():
     facts = collect()
-    out = subprocess.run([sys.executable, "-m", "clover_export.cli", "doctor"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "clover_export.cli", "doctor"], capture_output=True, text=True, check=True
+    ).stdout
     assert f"torch {facts.torch}" in out
     if facts.tensorrt is None:
         assert "tensorrt: not installed" in out and "[no ] build engines" in out

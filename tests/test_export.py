@@ -144,8 +144,10 @@ def test_layer_replication_equals_tracing_every_layer(fp32_export, tiny_fp32_dir
     out, _ = fp32_export
     export(tiny_fp32_dir, tmp_path / "full", dtype="fp32", weights="link", chunk=16, max_batch=2, slots=3)
     art, full = load_artifact(out), load_artifact(tmp_path / "full")
-    ops = [[n.op_type for n in onnx.load(str(a.graph_path), load_external_data=False).graph.node if n.domain == "clover"]
-           for a in (art, full)]
+    ops = [
+        [n.op_type for n in onnx.load(str(a.graph_path), load_external_data=False).graph.node if n.domain == "clover"]
+        for a in (art, full)
+    ]
     assert ops[0] == ops[1]  # same custom ops in the same order
     plans = V.scenario(art.block_size, art.chunk)
     feeds = V.make_feeds(plans, art.config, art.block_size)
@@ -283,7 +285,9 @@ def test_checkpoint_missing_a_tensor(tiny_fp32_dir, tmp_path):
 
     state = load_state_dict(tiny_fp32_dir, load_config(tiny_fp32_dir))
     del state["model.layers.2.linear_attn.dt_bias"]
-    src = save_checkpoint(state, tmp_path / "broken", extra_files={"config.json": (tiny_fp32_dir / "config.json").read_text()})
+    src = save_checkpoint(
+        state, tmp_path / "broken", extra_files={"config.json": (tiny_fp32_dir / "config.json").read_text()}
+    )
     with pytest.raises(CloverError, match=r"missing: model\.layers\.2\.linear_attn\.dt_bias"):
         export(src, tmp_path / "out", dtype="fp32")
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path, "out")

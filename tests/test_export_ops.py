@@ -37,7 +37,10 @@ def one_node_model(name: str, tensors: dict, attrs: dict, with_function: bool = 
 
 def core_outputs(name, tensors, attrs):
     c = CONTRACTS[name]
-    return [o.numpy() for o in reference_core(c)(*[tensors[t.name] for t in c.inputs], *[attrs[a.name] for a in c.attributes])]
+    return [
+        o.numpy()
+        for o in reference_core(c)(*[tensors[t.name] for t in c.inputs], *[attrs[a.name] for a in c.attributes])
+    ]
 
 
 def ort_outputs(model, tensors):
@@ -122,7 +125,9 @@ def test_cases_exercise_the_interesting_paths():
     """The cases above would not catch much if pools stayed put or routing never changed."""
     t, a = gdn_case(70, [70, 65])
     o, conv, rec = core_outputs("BlockGDN", t, a)
-    assert not np.allclose(rec[[2, 0]], t["rec_pool"].numpy()[[2, 0]]) and np.array_equal(rec[1], t["rec_pool"].numpy()[1])
+    assert not np.allclose(rec[[2, 0]], t["rec_pool"].numpy()[[2, 0]]) and np.array_equal(
+        rec[1], t["rec_pool"].numpy()[1]
+    )
     sizes = {float(p): core_outputs("CoresetMoE", *moe_case(3, True, p))[1].tolist() for p in (0.5, 0.9)}
     plain = core_outputs("CoresetMoE", *moe_case(3, False, 0.9))[1].tolist()
     assert sizes[0.5] != plain and sizes[0.5] != sizes[0.9]
@@ -135,7 +140,9 @@ def test_functions_run_in_onnx_reference_too():
         model = one_node_model(name, tensors, attrs)
         got = ReferenceEvaluator(model).run(None, {k: v.numpy() for k, v in tensors.items()})
         got = valid_rows(name, tensors, attrs, got)
-        for g, r in zip(got, valid_rows(name, tensors, attrs, [np.asarray(x) for x in core_outputs(name, tensors, attrs)])):
+        for g, r in zip(
+            got, valid_rows(name, tensors, attrs, [np.asarray(x) for x in core_outputs(name, tensors, attrs)])
+        ):
             np.testing.assert_allclose(g, r, atol=1e-4, rtol=0)
 
 

@@ -125,7 +125,9 @@ def test_no_import_cycle_in_function_imports_included():
 
 def test_the_layer_and_cycle_checks_catch_what_they_guard():
     graph = import_graph()
-    late = dict(graph, **{"clover_export.core.config": graph["clover_export.core.config"] | {"clover_export.runtime.loop"}})
+    late = dict(
+        graph, **{"clover_export.core.config": graph["clover_export.core.config"] | {"clover_export.runtime.loop"}}
+    )
     assert backward_edges(late) == ["clover_export.core.config -> clover_export.runtime.loop"]
     loop = dict(graph, **{"clover_export.model.gdn": graph["clover_export.model.gdn"] | {"clover_export.model.model"}})
     assert any({"clover_export.model.gdn", "clover_export.model.model"} <= set(c) for c in cycles(loop))

@@ -1,4 +1,5 @@
-"""Every plugin kernel compiles ahead of time to PTX for sm_80/89/90/100, with TensorRT's launch ABI (STEP_GRAPH.md 4, 5).
+"""Every plugin kernel compiles ahead of time to PTX for sm_80/89/90/100, with TensorRT's launch ABI
+(STEP_GRAPH.md 4, 5).
 
 TensorRT's AOT launch passes one pointer per input, the extra int32 scalars,
 one pointer per output; Triton appends hidden scratch pointers, which

@@ -47,7 +47,12 @@ class Sanitizer:
     def install(self):
         from triton.runtime.interpreter import InterpreterBuilder as IB
 
-        load, store, rmw, cas = IB.create_masked_load, IB.create_masked_store, IB.create_atomic_rmw, IB.create_atomic_cas
+        load, store, rmw, cas = (
+            IB.create_masked_load,
+            IB.create_masked_store,
+            IB.create_atomic_rmw,
+            IB.create_atomic_cas,
+        )
         san = self
 
         def masked_load(b, ptrs, mask, other, cache_policy, is_volatile):
@@ -202,10 +207,21 @@ def gdn_values(seed=0):
     g = torch.Generator().manual_seed(seed)
     C, T = 2 * d["Hk"] * d["dk"] + d["Hv"] * d["dv"], d["Tc"] + d["N"]
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(mixed_qkv=r(d["B"], T, C), a=r(d["B"], T, d["Hv"]), b=r(d["B"], T, d["Hv"]), conv_w=r(C, d["K"]),
-                conv_w_right=r(C, d["K"]), A_log=r(d["Hv"]), dt_bias=r(d["Hv"]), block_scale=r(d["Hv"]),
-                block_gate=r(d["Hv"]), conv_pool=r(d["S"], C, d["K"] - 1), rec_pool=r(d["S"], d["Hv"], d["dk"], d["dv"]),
-                slot_ids=_i32(1, 0, 1), n_causal=_i32(5, 0, 2))
+    return dict(
+        mixed_qkv=r(d["B"], T, C),
+        a=r(d["B"], T, d["Hv"]),
+        b=r(d["B"], T, d["Hv"]),
+        conv_w=r(C, d["K"]),
+        conv_w_right=r(C, d["K"]),
+        A_log=r(d["Hv"]),
+        dt_bias=r(d["Hv"]),
+        block_scale=r(d["Hv"]),
+        block_gate=r(d["Hv"]),
+        conv_pool=r(d["S"], C, d["K"] - 1),
+        rec_pool=r(d["S"], d["Hv"], d["dk"], d["dv"]),
+        slot_ids=_i32(1, 0, 1),
+        n_causal=_i32(5, 0, 2),
+    )
 
 
 GDN_ATTRS = dict(num_k_heads=GDN["Hk"], head_k_dim=GDN["dk"], head_v_dim=GDN["dv"], block_size=GDN["N"])

@@ -209,7 +209,7 @@ def moe_shared_case(B=2, Tc=66, N=8, D=32, E=8, I=16, k=2, seed=15):
     x = torch.randn(B, T, D, generator=g)
     rw = torch.randn(E, D, generator=g) * 0.5
     gu, dn = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5, torch.randn(E, D, I, generator=g) / I ** 0.5
-    sg, su, sd = torch.randn(I, D, generator=g) / D ** 0.5, torch.randn(I, D, generator=g), torch.randn(D, I, generator=g)
+    sg, su, sd = torch.randn(I, D, generator=g) / D**0.5, torch.randn(I, D, generator=g), torch.randn(D, I, generator=g)
     gw = torch.randn(1, D, generator=g)
     routed, want_size = moe_core(x, rw, gu, dn, k, 0.9, True, N)
     shared = F.linear(swiglu(F.linear(x, sg), F.linear(x, su)), sd)
@@ -350,7 +350,8 @@ def glue_case(dtype="float32", seed=11):
     else:  # the interpreter narrows fp32 to bf16 by truncation (the GPU rounds to nearest): an ulp per rounding,
         # and RoPE's sum of two rounded products cancels (absolute error ~ an ulp of the operands)
         def check(got, want, what):
-            torch.testing.assert_close(got.float(), want.float(), atol=2 ** -5, rtol=2 ** -6, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(got.float(), want.float(), atol=2**-5, rtol=2**-6, msg=lambda m: f"{what}: {m}")
+
     check(ops.rms_norm(h, w, eps), F.rms_norm(h, w, eps), "rms_norm")
     check(ops.rms_norm(q, wq, eps), F.rms_norm(q, wq, eps), "rms_norm strided")
     for got, want, what in zip(ops.add_rms_norm(h, res, w, eps), F.add_rms_norm(h, res, w, eps), ("sum", "norm")):

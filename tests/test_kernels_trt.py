@@ -257,7 +257,9 @@ def test_split_attention_plans_share_one_split_count():
     assert m.scalars == (("q", 1), ("acc", 0)) and m.grid == (32 * 16 // launch.ATTENTION_MERGE_BLOCK_R, 1, 1)
     assert list(m.variant.signature) == ["acc", "ml", "splits", "q", "T", "ROWS", "o"]
     # symbolic B and T (TensorRT): the same expression object sizes the partials and the grid
-    ops = launch.ShapeOps(cdiv=strict_cdiv, min=lambda a, b: _strict("min", a, b), max=lambda a, b: _strict("max", a, b))
+    ops = launch.ShapeOps(
+        cdiv=strict_cdiv, min=lambda a, b: _strict("min", a, b), max=lambda a, b: _strict("max", a, b)
+    )
     sym = {n: (Expr("B"), Expr("T"), *s[2:]) if n in ("q", "k", "v") else s for n, s in ATT_SHAPES.items()}
     ps = plan.aot_plan("BlockAttentionSplit", sym, attrs, d, 90, num_sms=132, shape_ops=ops)
     ds = plan.output_decls(BLOCK_ATTENTION_SPLIT, sym, attrs, num_sms=132, shape_ops=ops)
@@ -287,7 +289,9 @@ def test_split_attention_shape_pass_refuses_symbolic_heads(loose):
 
     name, dim = loose
     shapes = dict(ATT_SHAPES, **{name: tuple(Expr("H") if i == dim else d for i, d in enumerate(ATT_SHAPES[name]))})
-    ops = launch.ShapeOps(cdiv=strict_cdiv, min=lambda a, b: _strict("min", a, b), max=lambda a, b: _strict("max", a, b))
+    ops = launch.ShapeOps(
+        cdiv=strict_cdiv, min=lambda a, b: _strict("min", a, b), max=lambda a, b: _strict("max", a, b)
+    )
     with pytest.raises(ValueError, match=f"{name} dim {dim} .*build-time constants"):
         plan.output_decls(BLOCK_ATTENTION_SPLIT, shapes, dict(ATT_ATTRS, max_splits=4), num_sms=132, shape_ops=ops)
     # the same shapes in the dtype pass: declared (placeholder rows, never read)
@@ -332,7 +336,9 @@ def test_trt_split_attention_needs_long_pools():
 def test_aot_shared_budget_is_48_kib_unless_the_user_opts_in():
     env = plan.LARGE_SHARED_MEMORY_ENV
     assert plan.aot_shared_budget(90, {}) == plan.aot_shared_budget(80, {env: "0"}) == 48 * 1024
-    assert plan.aot_shared_budget(90, {env: "1"}) == 227 * 1024 and plan.aot_shared_budget(89, {env: "yes"}) == 99 * 1024
+    assert (
+        plan.aot_shared_budget(90, {env: "1"}) == 227 * 1024 and plan.aot_shared_budget(89, {env: "yes"}) == 99 * 1024
+    )
     assert plan.aot_shared_budget(86, {env: "true"}) == 99 * 1024  # A10/A40: sm_89's shared memory, not sm_80's
     with pytest.raises(ValueError, match=f"{env}='maybe'"):
         plan.aot_shared_budget(90, {env: "maybe"})
@@ -399,10 +405,15 @@ def test_fp8_builder_flag():
     force it on 10.x."""
     from clover_export.tensorrt.builder import FP8_FLAG_ENV, fp8_builder_flag
 
-    assert fp8_builder_flag("10.9.0", True, True, {})[0] is False and fp8_builder_flag("10.16", True, True, {})[0] is False
+    assert (
+        fp8_builder_flag("10.9.0", True, True, {})[0] is False and fp8_builder_flag("10.16", True, True, {})[0] is False
+    )
     assert "STRONGLY_TYPED" in fp8_builder_flag("10.12.0", True, True, {})[1]
     assert fp8_builder_flag("10.9.0", True, False, {})[0] is True
-    assert fp8_builder_flag("10.9.0", True, True, {FP8_FLAG_ENV: "1"}) == (True, f"BuilderFlag.FP8 set ({FP8_FLAG_ENV}=1)")
+    assert fp8_builder_flag("10.9.0", True, True, {FP8_FLAG_ENV: "1"}) == (
+        True,
+        f"BuilderFlag.FP8 set ({FP8_FLAG_ENV}=1)",
+    )
     assert fp8_builder_flag("10.9.0", False, True, {FP8_FLAG_ENV: "1"})[0] is False  # no FP8 plugin: nothing to enable
     for forced in ("0", "1"):
         assert fp8_builder_flag("11.1", True, True, {FP8_FLAG_ENV: forced})[0] is False

@@ -31,8 +31,13 @@ def bf16_per_expert(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lean")
     fused = generate_random_tiny(root / "fused", seed=5, dtype=torch.bfloat16, num_hidden_layers=2, layer_types=LAYERS)
-    src = save_checkpoint(load_state_dict(fused, load_config(fused)), root / "model", per_expert=True,
-                          prefix="model.language_model.", extra_files={"config.json": (fused / "config.json").read_text()})
+    src = save_checkpoint(
+        load_state_dict(fused, load_config(fused)),
+        root / "model",
+        per_expert=True,
+        prefix="model.language_model.",
+        extra_files={"config.json": (fused / "config.json").read_text()},
+    )
     return src, root
 
 

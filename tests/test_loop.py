@@ -107,7 +107,9 @@ def reference_generate(model, prompt, s, end_ids, mask_id, think_end_id, alignme
                 for e in end_ids:
                     l[e] += s.dllm_length_penalty * ramp(n_i, s.dllm_length_penalty_start, s.dllm_length_penalty_window)
                 if thinking:
-                    l[think_end_id] += s.dllm_think_end_bias * ramp(n_i, s.dllm_think_end_start, s.dllm_think_end_window)
+                    l[think_end_id] += s.dllm_think_end_bias * ramp(
+                        n_i, s.dllm_think_end_start, s.dllm_think_end_window
+                    )
                 top2 = torch.topk(l, 2).values
                 tok = int(torch.argmax(l))
                 conf = float(torch.softmax(l, 0)[tok])

@@ -94,7 +94,9 @@ def test_torch_op_equals_core_and_traces_on_meta(name):
     tensors, attrs = _inputs(1)
     op = ops()[name]
     core = reference_core(C.CONTRACTS[name])
-    for a, b in zip(op(*tensors[name].values(), *attrs[name].values()), core(*tensors[name].values(), *attrs[name].values())):
+    for a, b in zip(
+        op(*tensors[name].values(), *attrs[name].values()), core(*tensors[name].values(), *attrs[name].values())
+    ):
         assert torch.equal(a, b)
     meta = [t.to("meta") for t in tensors[name].values()]
     out = op(*meta, *attrs[name].values())

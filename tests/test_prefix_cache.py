@@ -342,8 +342,10 @@ def backend_case(name: str) -> dict:
     out = {}
     for on in (False, True):  # one after the other: an ORT backend's pool sets belong to one generator
         gen = Generator(be, be.source_dir, max_slots=2, prefill_chunk=16, prefix_cache=on)
-        base = gen.prompt_ids(messages=[{"role": "system", "content": SYSTEM[:60]}, {"role": "user", "content": "sort 3 1"}],
-                              enable_thinking=False)
+        base = gen.prompt_ids(
+            messages=[{"role": "system", "content": SYSTEM[:60]}, {"role": "user", "content": "sort 3 1"}],
+            enable_thinking=False,
+        )
         first = gen.generate(prompt_ids=base, **kw)
         prompts = [base + first.token_ids + [30, 31, 32], base[:-6] + [40, 41], list(base)]
         results = [first] + gen.wait([gen.submit(prompt_ids=p, **kw) for p in prompts])

@@ -178,12 +178,21 @@ def test_context_limit_is_the_lower_of_model_and_engine(model, tiny_dir):
     assert Generator(backend, tiny_dir).max_context == 300
 
 
-@pytest.mark.parametrize("params, field", [
-    (dict(threshold=0.0), "threshold"), (dict(threshold=1.5), "threshold"), (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty"), (dict(presence_penalty=-2.5), "presence_penalty"),
-    (dict(frequency_penalty=2.1), "frequency_penalty"), (dict(top_p=0.0), "top_p"), (dict(temperature=0.0), "temperature"),
-    (dict(block_size=16), "block_size"), (dict(bogus=1), "bogus"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (dict(threshold=0.0), "threshold"),
+        (dict(threshold=1.5), "threshold"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(presence_penalty=-2.5), "presence_penalty"),
+        (dict(frequency_penalty=2.1), "frequency_penalty"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(block_size=16), "block_size"),
+        (dict(bogus=1), "bogus"),
+    ],
+)
 def test_invalid_parameters_are_rejected_with_their_name(model, tiny_dir, params, field):
     gen = make(model, tiny_dir)
     with pytest.raises(CloverError, match=field):

@@ -38,7 +38,8 @@ def tokens_case():
 
 
 def fp8_case():
-    """One step with experts quantised at load (CoresetMoEFP8 kernels) vs the torch backend on the dequantised experts."""
+    """One step with experts quantized at load (CoresetMoEFP8 kernels) vs the torch backend on the dequantized
+    experts."""
     import torch
 
     from clover_export.backends.fp8_experts import expert_names
@@ -56,9 +57,13 @@ def fp8_case():
             ref.model.get_parameter(name).copy_(dequantize(w8, gu))
     B, C, N = 2, 3, fp8.block_size
     g = torch.Generator().manual_seed(0)
-    inputs = {names.INPUT_IDS: torch.randint(6, 500, (B, C + N), generator=g, dtype=torch.int32),
-              names.N_CAUSAL: torch.tensor([3, 1], dtype=torch.int32), names.HAS_BLOCK: torch.ones(B, dtype=torch.int32),
-              names.SLOT_IDS: torch.tensor([1, 0], dtype=torch.int32), names.PAST_LEN: torch.zeros(B, dtype=torch.int32)}
+    inputs = {
+        names.INPUT_IDS: torch.randint(6, 500, (B, C + N), generator=g, dtype=torch.int32),
+        names.N_CAUSAL: torch.tensor([3, 1], dtype=torch.int32),
+        names.HAS_BLOCK: torch.ones(B, dtype=torch.int32),
+        names.SLOT_IDS: torch.tensor([1, 0], dtype=torch.int32),
+        names.PAST_LEN: torch.zeros(B, dtype=torch.int32),
+    }
     got, cs, _ = fp8.step(inputs, fp8.allocate_pools(2, 64))
     want, cs_ref, _ = ref.step(inputs, ref.allocate_pools(2, 64))
     dtypes = sorted({str(fp8.model.get_parameter(n).dtype) for n in expert_names(fp8.model)})
@@ -75,7 +80,11 @@ def padding_case():
     g = torch.Generator().manual_seed(0)
     B, Tc, N, D, E, I, k = 2, 4, 3, 32, 8, 16, 2
     x = torch.randn(B, Tc + N, D, generator=g)
-    rw, gu, dn = torch.randn(E, D, generator=g), torch.randn(E, 2 * I, D, generator=g) * 0.1, torch.randn(E, D, I, generator=g) * 0.1
+    rw, gu, dn = (
+        torch.randn(E, D, generator=g),
+        torch.randn(E, 2 * I, D, generator=g) * 0.1,
+        torch.randn(E, D, I, generator=g) * 0.1,
+    )
     nc = torch.tensor([1, 4], dtype=torch.int32)
     full, d_full = coreset_moe(x, rw, gu, dn, k, 0.9, True, N)
     masked, d_masked = coreset_moe(x, rw, gu, dn, k, 0.9, True, N, n_causal=nc)

@@ -168,12 +168,19 @@ def test_chat_matches_python_api(client, reference):
         assert msg.content == content
         if kw.get("enable_thinking", True):
             assert msg.reasoning_content == reasoning
-        assert out.choices[0].finish_reason == {"stop": "stop", "stop_string": "stop", "length": "length"}[res.finish_reason]
+        assert (
+            out.choices[0].finish_reason
+            == {"stop": "stop", "stop_string": "stop", "length": "length"}[res.finish_reason]
+        )
         assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (res.prompt_tokens, res.response_tokens)
         assert out.usage.total_tokens == res.prompt_tokens + res.response_tokens
-        assert out.model_extra["clover"] == pytest.approx({"denoise_steps": res.denoise_steps,
-                                                           "tokens_per_forward": res.tokens_per_forward,
-                                                           "distinct_experts_per_block": res.distinct_experts_per_block})
+        assert out.model_extra["clover"] == pytest.approx(
+            {
+                "denoise_steps": res.denoise_steps,
+                "tokens_per_forward": res.tokens_per_forward,
+                "distinct_experts_per_block": res.distinct_experts_per_block,
+            }
+        )
 
 
 def test_completions_match_python_api_and_finish_reasons(client, reference):
@@ -259,7 +266,10 @@ def test_24_concurrent_mixed_requests_each_equal_their_single_answer(server, cli
             chunks, _, reasoning, content = stream_chat(client, **chat_args(prompt, kw, max_tokens))
             return (reasoning, content), chunks[-1].model_extra["clover"]
         msg = client.chat.completions.create(**chat_args(prompt, kw, max_tokens))
-        return (getattr(msg.choices[0].message, "reasoning_content", None) or "", msg.choices[0].message.content), msg.model_extra["clover"]
+        return (
+            getattr(msg.choices[0].message, "reasoning_content", None) or "",
+            msg.choices[0].message.content,
+        ), msg.model_extra["clover"]
 
     expected = []
     for kind, prompt, kw, max_tokens, _ in jobs:
@@ -325,8 +335,11 @@ def test_client_mistakes_are_400_with_openai_error_body(server, body, param, cod
 
 
 def test_other_errors(server, client):
-    check_error(post(server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
-                400, code="invalid_json")
+    check_error(
+        post(server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+        400,
+        code="invalid_json",
+    )
     check_error(post(server, "/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
                 400, code="invalid_json")
     check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "x" * 70_000}), 413,

@@ -111,8 +111,14 @@ HOSTILE = [
     ("form", b"prompt=Hi", {"content-type": "application/x-www-form-urlencoded", **AUTH}, 415, None, None),
     ("multipart", b"--x\r\n\r\n--x--", {"content-type": "multipart/form-data; boundary=x", **AUTH}, 415, None, None),
     ("no-content-type", json.dumps(NORMAL).encode(), AUTH, 415, "unsupported_media_type", None),
-    ("latin-1-charset", json.dumps(NORMAL).encode(), {"content-type": "application/json; charset=latin-1", **AUTH},
-     415, None, None),
+    (
+        "latin-1-charset",
+        json.dumps(NORMAL).encode(),
+        {"content-type": "application/json; charset=latin-1", **AUTH},
+        415,
+        None,
+        None,
+    ),
     ("not-utf-8", b'{"prompt": "\xff\xfe"}', JSON_AUTH, 400, "invalid_json", None),
     ("nan", b'{"prompt": "Hi", "temperature": NaN}', JSON_AUTH, 400, "invalid_json", None),
     ("infinity", b'{"prompt": "Hi", "temperature": Infinity}', JSON_AUTH, 400, "invalid_json", None),
@@ -123,8 +129,14 @@ HOSTILE = [
     ("depth-1000", nested(1000), JSON_AUTH, 400, "invalid_json", None),
     ("depth-5000", nested(5000), JSON_AUTH, 400, "invalid_json", None),
     ("depth-100000-bare", b"[" * 100_000, JSON_AUTH, 400, "invalid_json", None),
-    ("depth-in-message", b'{"messages": [{"role": "user", "content": "x", "name": ' + b'{"a":' * 3000 + b"1"
-     + b"}" * 3000 + b"}]}", JSON_AUTH, 400, "invalid_json", None),
+    (
+        "depth-in-message",
+        b'{"messages": [{"role": "user", "content": "x", "name": ' + b'{"a":' * 3000 + b"1" + b"}" * 3000 + b"}]}",
+        JSON_AUTH,
+        400,
+        "invalid_json",
+        None,
+    ),
     ("temperature-1e39", b'{"prompt": "Hi", "temperature": 1e39}', JSON_AUTH, 400, None, "temperature"),
     ("temperature-1e308", b'{"prompt": "Hi", "temperature": 1e308}', JSON_AUTH, 400, None, "temperature"),
     ("temperature-2.0001", b'{"prompt": "Hi", "temperature": 2.0001}', JSON_AUTH, 400, None, "temperature"),
@@ -138,18 +150,43 @@ HOSTILE = [
     ("frequency--2.5", b'{"prompt": "Hi", "frequency_penalty": -2.5}', JSON_AUTH, 400, None, "frequency_penalty"),
     ("top_p-0", b'{"prompt": "Hi", "top_p": 0}', JSON_AUTH, 400, None, "top_p"),
     ("content-number", b'{"messages": [{"role": "user", "content": 5}]}', JSON_AUTH, 400, None, "messages[0].content"),
-    ("image-part", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
-     JSON_AUTH, 400, None, "messages[0].content"),
-    ("template-breaker", b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": 7}, '
-     b'{"role": "user", "content": "y"}]}', JSON_AUTH, None, None, None),
+    (
+        "image-part",
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        JSON_AUTH,
+        400,
+        None,
+        "messages[0].content",
+    ),
+    (
+        "template-breaker",
+        b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": 7}, {"role": "user", "content": "y"}]}',
+        JSON_AUTH,
+        None,
+        None,
+        None,
+    ),
     ("prompt-ids-outside-vocab", b'{"prompt": [1, 2, 99999999]}', JSON_AUTH, 400, None, "prompt"),
     ("prompt-nested-lists", b'{"prompt": [[1, 2], [3]]}', JSON_AUTH, 400, None, "prompt"),
     ("empty-prompt", b'{"prompt": ""}', JSON_AUTH, 400, None, "prompt"),
     ("array-body", b"[1, 2, 3]", JSON_AUTH, 400, "invalid_json", None),
-    ("100000-stop-strings", json.dumps({"prompt": "Hi", "stop": ["ab"] * 100_000}).encode(), JSON_AUTH, 400, None, "stop"),
+    (
+        "100000-stop-strings",
+        json.dumps({"prompt": "Hi", "stop": ["ab"] * 100_000}).encode(),
+        JSON_AUTH,
+        400,
+        None,
+        "stop",
+    ),
     ("min_tokens-over-max", b'{"prompt": "Hi", "max_tokens": 4, "min_tokens": 8}', JSON_AUTH, 400, None, "min_tokens"),
-    ("huge-model-name", json.dumps({"prompt": "Hi", "model": "m" * 100_000}).encode(), JSON_AUTH, 404,
-     "model_not_found", "model"),
+    (
+        "huge-model-name",
+        json.dumps({"prompt": "Hi", "model": "m" * 100_000}).encode(),
+        JSON_AUTH,
+        404,
+        "model_not_found",
+        "model",
+    ),
 ]
 
 
@@ -417,7 +454,16 @@ def test_parse_json_refusals_name_the_field():
     assert e.value.param == "a.b[1]" and "Unicode" in e.value.message
     deepest = b'{"a": ' + b"[" * (protocol.MAX_JSON_DEPTH - 1) + b"]" * (protocol.MAX_JSON_DEPTH - 1) + b"}"
     assert protocol.json_depth(deepest) == protocol.MAX_JSON_DEPTH and protocol.parse_json(deepest)
-    for bad in (b'{"b": ' + deepest + b"}", b'{"a": NaN}', b'{"a": -Infinity}', b'{"a": 1e999}', b"[1]", b'"x"', b"{", b"\xff"):
+    for bad in (
+        b'{"b": ' + deepest + b"}",
+        b'{"a": NaN}',
+        b'{"a": -Infinity}',
+        b'{"a": 1e999}',
+        b"[1]",
+        b'"x"',
+        b"{",
+        b"\xff",
+    ):
         with pytest.raises(ApiError) as e:
             protocol.parse_json(bad)
         assert e.value.code == "invalid_json", bad

@@ -106,8 +106,22 @@ def test_missing_or_unloadable_model_is_one_line_and_exit_1(tmp_path):
     r = CliRunner().invoke(main, ["serve", str(tmp_path / "nope")])
     assert r.exit_code == 1 and "no such file or folder" in r.output
     # a folder that exists but holds no model: the engine fails to load, the server stops, exit 1
-    proc = subprocess.run([sys.executable, "-m", "clover_export.cli", "serve", str(tmp_path), "--port", str(free_port()),
-                           "--log-level", "critical"], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clover_export.cli",
+            "serve",
+            str(tmp_path),
+            "--port",
+            str(free_port()),
+            "--log-level",
+            "critical",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "could not be loaded" in lines[0] and "Traceback" not in proc.stderr
@@ -133,8 +147,12 @@ def test_ray_serve_two_cpu_replicas_give_the_same_answers(tiny_dir):
         for (prompt, max_tokens), out in zip(cases, outs):
             assert "".join(p.choices[0].text for p in out) == ref.generate(prompt, raw=True,
                                                                            max_new_tokens=max_tokens).text
-        chat = client.chat.completions.create(model="clover-tiny", messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=8, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        chat = client.chat.completions.create(
+            model="clover-tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=8,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
         assert chat.choices[0].message.content == ref.generate("Hi", max_new_tokens=8, enable_thinking=False).content
         bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "n": 2})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"

@@ -68,9 +68,14 @@ def make_trained_like(src: Path, out: Path, calibration_ids: list[int], seed: in
 def shared_component(model, ids: list[int], layers: list[int]) -> dict[int, float]:
     """Per layer: the 10th percentile over tokens of the shared dimension at the GDN mixer's input."""
     seen = {}
-    hooks = [model.model.layers[i].linear_attn.register_forward_pre_hook(
-        lambda mod, args, i=i: seen.__setitem__(i, torch.quantile(args[0][0, :len(ids), SHARED_DIM].float(), 0.1).item()))
-        for i in layers]
+    hooks = [
+        model.model.layers[i].linear_attn.register_forward_pre_hook(
+            lambda mod, args, i=i: seen.__setitem__(
+                i, torch.quantile(args[0][0, : len(ids), SHARED_DIM].float(), 0.1).item()
+            )
+        )
+        for i in layers
+    ]
     try:
         causal_pass(model, ids)
     finally:

@@ -86,7 +86,9 @@ def load_artifact(path: str | Path) -> Artifact:
     if not d.is_dir():
         raise CloverError("artifact", f"{d}: no such folder", "pass the folder written by `clover-export export`")
     if not mpath.exists():
-        raise CloverError("artifact", f"{d}: no {MANIFEST}", "not an export folder (or an interrupted one); export again")
+        raise CloverError(
+            "artifact", f"{d}: no {MANIFEST}", "not an export folder (or an interrupted one); export again"
+        )
     try:
         m = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -38,8 +38,11 @@ def open_backend(name: str, model_or_artifact=None, **options) -> Backend:
         from clover_export.backends.torch_backend import TorchBackend
 
         if is_artifact(model_or_artifact):
-            raise CloverError("runtime", f"{model_or_artifact}: is an exported artifact; the torch backend runs a model folder",
-                              "pass --backend ort for an artifact, or the model folder it was exported from")
+            raise CloverError(
+                "runtime",
+                f"{model_or_artifact}: is an exported artifact; the torch backend runs a model folder",
+                "pass --backend ort for an artifact, or the model folder it was exported from",
+            )
         return TorchBackend.load(model_or_artifact, **options)
     if name == "ort":
         from clover_export.backends.ort_backend import OrtBackend

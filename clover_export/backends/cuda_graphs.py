@@ -68,9 +68,13 @@ class StepGraphs:
 
     def _static_inputs(self, b: Bucket) -> dict[str, torch.Tensor]:
         i32 = dict(dtype=torch.int32, device=self.device)
-        return {names.INPUT_IDS: torch.zeros(b.batch, b.causal + self.block_size, **i32),
-                names.N_CAUSAL: torch.zeros(b.batch, **i32), names.HAS_BLOCK: torch.zeros(b.batch, **i32),
-                names.SLOT_IDS: torch.full((b.batch,), self.scratch, **i32), names.PAST_LEN: torch.zeros(b.batch, **i32)}
+        return {
+            names.INPUT_IDS: torch.zeros(b.batch, b.causal + self.block_size, **i32),
+            names.N_CAUSAL: torch.zeros(b.batch, **i32),
+            names.HAS_BLOCK: torch.zeros(b.batch, **i32),
+            names.SLOT_IDS: torch.full((b.batch,), self.scratch, **i32),
+            names.PAST_LEN: torch.zeros(b.batch, **i32),
+        }
 
     def capture(self, progress: bool = True, warmup: int = 2) -> None:
         """Warm up (compiles the kernels) and capture every bucket; only the scratch slot is touched."""
@@ -104,7 +108,12 @@ class StepGraphs:
         sids.zero_()
         sids[:B, :C].copy_(ids[:, :C])
         sids[:B, b.causal:].copy_(ids[:, C:])
-        for name, fill in ((names.N_CAUSAL, 0), (names.HAS_BLOCK, 0), (names.SLOT_IDS, self.scratch), (names.PAST_LEN, 0)):
+        for name, fill in (
+            (names.N_CAUSAL, 0),
+            (names.HAS_BLOCK, 0),
+            (names.SLOT_IDS, self.scratch),
+            (names.PAST_LEN, 0),
+        ):
             static[name][B:].fill_(fill)
             static[name][:B].copy_(inputs[name])
         graph.replay()

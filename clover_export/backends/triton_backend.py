@@ -34,7 +34,9 @@ def check_target(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """(device, dtype) the backend can run, else one CloverError saying why."""
     dev = torch.device(check_device(device))
     if dev.type not in ("cuda", "cpu"):
-        raise CloverError("runtime", f"the triton backend runs on cuda (or cpu under TRITON_INTERPRET=1), not {dev.type}")
+        raise CloverError(
+            "runtime", f"the triton backend runs on cuda (or cpu under TRITON_INTERPRET=1), not {dev.type}"
+        )
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise CloverError("runtime", "the triton backend on the CPU needs TRITON_INTERPRET=1 (set before start-up)",
                           "use --device cuda, or --backend torch on the CPU")

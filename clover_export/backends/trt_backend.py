@@ -46,7 +46,9 @@ def locate_engine(path) -> tuple[Path, dict]:
         return p / manifest["engine"], manifest
     found = sorted(f for f in p.iterdir() if f.suffix in ENGINE_SUFFIXES)
     if len(found) != 1:
-        raise CloverError("runtime", f"{p}: expected one engine file ({', '.join(ENGINE_SUFFIXES)}), found {len(found)}")
+        raise CloverError(
+            "runtime", f"{p}: expected one engine file ({', '.join(ENGINE_SUFFIXES)}), found {len(found)}"
+        )
     return found[0], manifest
 
 

@@ -53,7 +53,9 @@ def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen
 @click.option("--top-p", type=float, default=None)
 @click.option("--stop", "stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--raw", is_flag=True, help="Tokenise the prompt as is, without the chat template.")
-@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", help="torch/triton backend dtype.")
+@click.option(
+    "--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", help="torch/triton backend dtype."
+)
 @click.option("--device", default=None, help="torch/triton backend device (default: cuda if available, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (torch intra-op, or ONNX Runtime intra-op). Default: OMP_NUM_THREADS if set, "
@@ -132,8 +134,15 @@ def compare(golden, model, backend, allow_qwen, atol, device):
                                     block_size=g.params.get("block_size"))
             compare_logits(g, ref.prompt_logits(g.prompt_ids), report)
         if g.expected_token_ids is not None:
-            gen = _load(model, backend, block_size=g.params.get("block_size") if backend in ("torch", "triton") else None,
-                        dtype="fp32", device=device, allow_qwen=allow_qwen, max_slots=1)
+            gen = _load(
+                model,
+                backend,
+                block_size=g.params.get("block_size") if backend in ("torch", "triton") else None,
+                dtype="fp32",
+                device=device,
+                allow_qwen=allow_qwen,
+                max_slots=1,
+            )
             res = gen.generate(prompt_ids=g.prompt_ids, **g.params)
             compare_tokens(g, res.token_ids, report)
     for line in report.lines(g.logits_atol):

@@ -23,9 +23,16 @@ def human(n: float, unit: str = "B") -> str:
 
 @click.command()
 @MODEL_ARG
-@click.option("--context", type=int, default=None, help="Context length for the cache figure (default: the model's max_context).")
+@click.option(
+    "--context", type=int, default=None, help="Context length for the cache figure (default: the model's max_context)."
+)
 @click.option("--max-batch", type=int, default=1, show_default=True, help="Cache slots for the engine memory plan.")
-@click.option("--gpu-memory", type=float, default=None, help="GPU memory in GiB to judge the plan against (default: this GPU's, if any).")
+@click.option(
+    "--gpu-memory",
+    type=float,
+    default=None,
+    help="GPU memory in GiB to judge the plan against (default: this GPU's, if any).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def info(model, context, max_batch, gpu_memory, as_json):
     """Print MODEL's normalised config, parameter counts, weight and cache memory.
@@ -127,7 +134,9 @@ def forward(model, input_ids, mode, dtype, save, allow_qwen):
     top = logits.argmax(-1).tolist()
     click.echo(f"logits [{T}, {cfg.vocab_size}] ({mode}, {dtype}); argmax per position: {top}")
     if save_path is not None:
-        path = save_path if save_path.suffix == ".npy" else save_path.with_name(save_path.name + ".npy")  # np.save's rule
+        path = (
+            save_path if save_path.suffix == ".npy" else save_path.with_name(save_path.name + ".npy")
+        )  # np.save's rule
         try:
             atomic_write(path, lambda f: np.save(f, logits.numpy().astype(np.float32)))
         except OSError as e:

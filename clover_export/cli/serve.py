@@ -36,7 +36,9 @@ from clover_export.serve.engine import shutting_down
 @click.option("--api-key", envvar="CLOVER_API_KEY", show_envvar=True, default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise). Prefer the environment "
                    "variable: a command line is visible to other users.")
-@click.option("--protect-metrics", is_flag=True, help="With --api-key: /metrics needs the key too (/health stays open).")
+@click.option(
+    "--protect-metrics", is_flag=True, help="With --api-key: /metrics needs the key too (/health stays open)."
+)
 @click.option("--allowed-origins", default="",
               help="Comma-separated browser origins allowed to call the API (CORS), e.g. "
                    "https://app.example.com; '*' allows any. Default: none.")
@@ -76,8 +78,11 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
                         allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout)
     if model not in (None, "tiny") and not Path(model).exists():
-        raise CloverError("serve", f"{model}: no such file or folder",
-                          "pass a model folder, an exported artifact, an engine, or leave MODEL out for the embedded default")
+        raise CloverError(
+            "serve",
+            f"{model}: no such file or folder",
+            "pass a model folder, an exported artifact, an engine, or leave MODEL out for the embedded default",
+        )
     _check_port(host, port)
     if backend == "triton":  # the device check needs no model: fail before the server starts
         from clover_export.backends.triton_backend import check_target

@@ -141,7 +141,8 @@ def plan_tensors(cfg: CloverConfig, locs: dict[str, TensorLocation], allow_qwen:
         raise CloverError(
             "checkpoint",
             f"{cfg.source}: a plain Qwen3.5-MoE checkpoint (no Clover block-mixer tensors)",
-            "pass --allow-qwen (allow_qwen=True) to zero-fill them; diffusion decoding is then meaningless, causal mode stays exact",
+            "pass --allow-qwen (allow_qwen=True) to zero-fill them; "
+            "diffusion decoding is then meaningless, causal mode stays exact",
         )
     expected = names.expected_tensors(cfg, clover=clover)
     missing, shapes, dtypes = [], [], []
@@ -155,7 +156,9 @@ def plan_tensors(cfg: CloverConfig, locs: dict[str, TensorLocation], allow_qwen:
             per = names.per_expert_names(name, cfg.num_experts)
             absent = [n for grp in per for n in grp if n not in locs]
             if absent:
-                missing.append(name if len(absent) == sum(map(len, per)) else f"{absent[0]} (and {len(absent) - 1} more)")
+                missing.append(
+                    name if len(absent) == sum(map(len, per)) else f"{absent[0]} (and {len(absent) - 1} more)"
+                )
                 continue
             groups = tuple(tuple(locs[n] for n in grp) for grp in per)
             used.update(n for grp in per for n in grp)

@@ -185,9 +185,15 @@ def validate(cfg: CloverConfig) -> CloverConfig:
         if t not in LAYER_TYPES:
             raise bad("layer_types", f"entry {i} is {t!r}; expected one of {', '.join(LAYER_TYPES)}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise bad("num_attention_heads", f"({cfg.num_attention_heads}) must be divisible by num_key_value_heads ({cfg.num_key_value_heads})")
+        raise bad(
+            "num_attention_heads",
+            f"({cfg.num_attention_heads}) must be divisible by num_key_value_heads ({cfg.num_key_value_heads})",
+        )
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
-        raise bad("linear_num_value_heads", f"({cfg.linear_num_value_heads}) must be divisible by linear_num_key_heads ({cfg.linear_num_key_heads})")
+        raise bad(
+            "linear_num_value_heads",
+            f"({cfg.linear_num_value_heads}) must be divisible by linear_num_key_heads ({cfg.linear_num_key_heads})",
+        )
     if cfg.num_experts_per_tok > cfg.num_experts:
         raise bad("num_experts_per_tok", f"({cfg.num_experts_per_tok}) exceeds num_experts ({cfg.num_experts})")
     if not 0 < cfg.moe_block_coreset_top_p <= 1:
@@ -195,7 +201,9 @@ def validate(cfg: CloverConfig) -> CloverConfig:
     if not isinstance(cfg.logits_shift, bool):
         raise bad("logits_shift", f"must be true or false, got {cfg.logits_shift!r}")
     if cfg.block_alignment not in assumed.BLOCK_ALIGNMENTS:
-        raise bad("block_alignment", f"is {cfg.block_alignment!r}; expected one of {', '.join(assumed.BLOCK_ALIGNMENTS)}")
+        raise bad(
+            "block_alignment", f"is {cfg.block_alignment!r}; expected one of {', '.join(assumed.BLOCK_ALIGNMENTS)}"
+        )
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < cfg.vocab_size:
         raise bad("mask_token_id", f"({cfg.mask_token_id}) is outside the vocabulary (size {cfg.vocab_size})")
     for e in cfg.eos_token_id:

@@ -93,9 +93,14 @@ class CheckReport:
 
 def trt_table() -> dict[str, dict]:
     with open(TRT_TABLE, newline="") as f:
-        return {r["operator"]: {"supported": r["supported"] == "Y",
-                                "types": {_TYPE_NAMES[t.strip()] for t in r["types"].split(",") if t.strip() in _TYPE_NAMES},
-                                "restrictions": r["restrictions"].strip()} for r in csv.DictReader(f)}
+        return {
+            r["operator"]: {
+                "supported": r["supported"] == "Y",
+                "types": {_TYPE_NAMES[t.strip()] for t in r["types"].split(",") if t.strip() in _TYPE_NAMES},
+                "restrictions": r["restrictions"].strip(),
+            }
+            for r in csv.DictReader(f)
+        }
 
 
 def check_folder(folder: str | Path, proto: onnx.ModelProto | None = None, tensorrt: bool = True) -> CheckReport:
@@ -137,7 +142,9 @@ def _check_versions(proto, rep):
     if proto.ir_version != IR_VERSION:
         rep.add("fail", "model", f"IR version {proto.ir_version}, pinned {IR_VERSION}")
     want = {"": OPSET, NAMESPACE: int(PLUGIN_VERSION)}
-    for where, imports in [("model", proto.opset_import)] + [(f"function {f.domain}::{f.name}", f.opset_import) for f in proto.functions]:
+    for where, imports in [("model", proto.opset_import)] + [
+        (f"function {f.domain}::{f.name}", f.opset_import) for f in proto.functions
+    ]:
         got = {o.domain: o.version for o in imports}
         if got.get("", OPSET) != OPSET or "" not in got:
             rep.add("fail", where, f"default-domain opset {got.get('')}, pinned {OPSET}")
@@ -200,7 +207,9 @@ def _check_nodes(proto, table, rep):
         if idx is not None and idx < len(node.input) and node.input[idx]:
             t = types.get(node.input[idx], 0)
             if t and row["types"] and t not in row["types"]:
-                rep.add(level, where, f"input type {TensorProto.DataType.Name(t)} not among TensorRT's {_type_list(row)}")
+                rep.add(
+                    level, where, f"input type {TensorProto.DataType.Name(t)} not among TensorRT's {_type_list(row)}"
+                )
         problem = _restriction(node, consts)
         if problem:
             rep.add(level, where, problem)
@@ -346,7 +355,9 @@ def _check_external_data(proto, folder: Path, manifest: dict, rep):
             if st.st_nlink > 1 and mode != "map":
                 hard[loc] = st.st_nlink
         if sizes[path] >= 0 and offset + max(length, 0) > sizes[path]:
-            rep.add("fail", where, f"bytes {offset}..{offset + length} lie beyond the end of {path} ({sizes[path]} bytes)")
+            rep.add(
+                "fail", where, f"bytes {offset}..{offset + length} lie beyond the end of {path} ({sizes[path]} bytes)"
+            )
     for loc in sorted(hard):
         rep.add("warn", loc, f"hard link ({hard[loc]} links): onnx >= 1.21 refuses it (\"potential hardlink "
                 "attack\"); ONNX Runtime and TensorRT read it")
@@ -398,7 +409,11 @@ def _check_profiles(proto, manifest: dict, rep):
             for p in profiles:
                 r = p.get("dims", {}).get(d.dim_param)
                 if not r or len(r) != 3 or not (1 <= r[0] <= r[1] <= r[2]):
-                    rep.add("fail", vi.name, f"dimension {d.dim_param!r} has no valid min/opt/max in profile {p.get('name')!r}")
+                    rep.add(
+                        "fail",
+                        vi.name,
+                        f"dimension {d.dim_param!r} has no valid min/opt/max in profile {p.get('name')!r}",
+                    )
 
 
 # --- TensorRT: model.trt.onnx ------------------------------------------------------

@@ -68,8 +68,11 @@ def _mapped_initializers(art: Artifact, skip: set[str] = frozenset()):
         if not path.is_absolute() or name in skip:
             continue  # in-folder files (converted tensors) are read by ONNX Runtime itself
         if not path.exists():
-            raise CloverError("artifact", f"{art.weight_map_path}: tensor '{name}' lives in {path}, which is gone",
-                              "the map mode references the checkpoint in place; export again or use --weights link/copy")
+            raise CloverError(
+                "artifact",
+                f"{art.weight_map_path}: tensor '{name}' lives in {path}, which is gone",
+                "the map mode references the checkpoint in place; export again or use --weights link/copy",
+            )
         arr = np.memmap(path, dtype=storage_dtype(e["dtype"]), mode="r", offset=e["offset"], shape=tuple(e["shape"]))
         values.append(OrtValue.ortvalue_from_numpy_with_onnx_type(arr, onnx_elem_type(e["dtype"])))
         names.append(name)

@@ -77,7 +77,10 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = CHUNK):
         v_new = u[:, :, c] - w[:, :, c] @ S
         outs.append((q[:, :, c] * G[:, :, c].exp().unsqueeze(-1)) @ S + attn[:, :, c] @ v_new)
         g_last = G[:, :, c, -1:]
-        S = S * g_last.exp().unsqueeze(-1) + (k[:, :, c] * (g_last - G[:, :, c]).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
+        S = (
+            S * g_last.exp().unsqueeze(-1)
+            + (k[:, :, c] * (g_last - G[:, :, c]).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
+        )
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, chunk, dv)
     return o.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2), S
 
@@ -116,7 +119,9 @@ def gdn_rows(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale,
     o = o_c.to(dtype)
     if block_size > 0:
         m_b = mixed_qkv[:, Tc:].float()
-        x_b = F.silu(causal_conv(m_b, conv1.float(), conv_w.float()) + assumed.anticausal_conv(m_b, conv_w_right.float()))
+        x_b = F.silu(
+            causal_conv(m_b, conv1.float(), conv_w.float()) + assumed.anticausal_conv(m_b, conv_w_right.float())
+        )
         q_b, k_b, v_b = qkv(x_b, scale_q=False)
         o_b = assumed.block_mixer(q_b, k_b, v_b, beta[:, Tc:].float(), g[:, Tc:], s1, block_scale, block_gate)
         o = torch.cat([o, o_b.to(dtype)], dim=1)

@@ -275,7 +275,9 @@ class CloverModel(nn.Module):
         Tc = T - N
         rows = torch.arange(T, device=input_ids.device).unsqueeze(0)
         # causal row j sits at past_len + j; block row i at past_len + n_causal + i
-        positions = past_len.long().unsqueeze(1) + torch.where(rows < Tc, rows, rows - Tc + n_causal.long().unsqueeze(1))
+        positions = past_len.long().unsqueeze(1) + torch.where(
+            rows < Tc, rows, rows - Tc + n_causal.long().unsqueeze(1)
+        )
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, self.dtype)
         h = self.model.embed_tokens(input_ids.long())
         new_pools, distinct = [], []
@@ -293,11 +295,15 @@ class CloverModel(nn.Module):
         return out[0], out[1], dict(zip(order, out[2:]))
 
 
-def allocate_pools(cfg: CloverConfig, num_slots: int, max_len: int, dtype=torch.float32, device="cpu") -> dict[str, torch.Tensor]:
+def allocate_pools(
+    cfg: CloverConfig, num_slots: int, max_len: int, dtype=torch.float32, device="cpu"
+) -> dict[str, torch.Tensor]:
     """Zeroed cache pools in graph order (STEP_GRAPH.md 1)."""
     pools = {}
     for name in names.pool_names(cfg):
-        pools[name] = torch.zeros(pool_shape(cfg, name, num_slots, max_len), dtype=pool_dtype(name, dtype), device=device)
+        pools[name] = torch.zeros(
+            pool_shape(cfg, name, num_slots, max_len), dtype=pool_dtype(name, dtype), device=device
+        )
     return pools
 
 

@@ -107,8 +107,17 @@ class StepBytes:
         return {**asdict(self), "total": self.total}
 
 
-def step_bytes(cfg: CloverConfig, *, rows: int, past_len: list[int], experts_per_layer: list[float] | float,
-               batch_rows: int | None = None, fp8: bool = False, logits: bool = True, dtype_bytes: int = 2) -> StepBytes:
+def step_bytes(
+    cfg: CloverConfig,
+    *,
+    rows: int,
+    past_len: list[int],
+    experts_per_layer: list[float] | float,
+    batch_rows: int | None = None,
+    fp8: bool = False,
+    logits: bool = True,
+    dtype_bytes: int = 2,
+) -> StepBytes:
     """Bytes one step must read (and write for K/V and states) by PERF.md 1.
 
     rows: the step's valid rows (causal rows below n_causal plus block rows,

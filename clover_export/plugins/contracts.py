@@ -329,7 +329,9 @@ def bind_dims(contract: OpContract, shapes: dict[str, tuple], attrs: dict[str, o
     for spec in contract.inputs:
         shape = tuple(shapes[spec.name])
         if len(shape) != spec.rank:
-            raise ValueError(f"{contract.qualname}: input '{spec.name}' has rank {len(shape)}, expected {spec.rank} {spec.shape}")
+            raise ValueError(
+                f"{contract.qualname}: input '{spec.name}' has rank {len(shape)}, expected {spec.rank} {spec.shape}"
+            )
         for dim, size in zip(spec.shape, shape):
             if dim.isdigit():  # a fixed size
                 if isinstance(size, int) and size != int(dim):

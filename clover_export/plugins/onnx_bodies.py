@@ -295,7 +295,12 @@ def moe_body(inputs=("gate_up", "down"), expert=None) -> list[onnx.NodeProto]:
     slices of them (expert_loop)."""
     expert = expert or _expert_weights
     b = Body("m")
-    top_k, top_p, coreset, nb = b.attr_int("top_k"), b.attr_float("top_p"), b.attr_int("coreset"), b.attr_int("block_size")
+    top_k, top_p, coreset, nb = (
+        b.attr_int("top_k"),
+        b.attr_float("top_p"),
+        b.attr_int("coreset"),
+        b.attr_int("block_size"),
+    )
     x = b.f("x")
     T = b.dim("x", 1)
     tc = b.op("Sub", T, b.vec(nb))

@@ -50,7 +50,9 @@ class _Command(OneLineErrors, click.Command):
 @click.option("--eval-every", default=TrainSettings.eval_every, show_default=True,
               help="Score held-out prompts every N steps (0: never).")
 @click.option("--eval-count", default=TrainSettings.eval_count, show_default=True)
-@click.option("--force", is_flag=True, help="Replace OUT when it holds an earlier training output (never any other folder).")
+@click.option(
+    "--force", is_flag=True, help="Replace OUT when it holds an earlier training output (never any other folder)."
+)
 def main(out_dir, steps, batch_size, lr, seed, threads, eval_every, eval_count, force):
     """Train a tiny Clover for block diffusion on the synthetic tasks, CPU only.
 

@@ -116,7 +116,9 @@ def compile_variant(v: Variant, arch: int, fp_fusion: bool = launch.FP_FUSION) -
     fn = getattr(importlib.import_module(f"clover_export.plugins.triton.{v.module}"), v.kernel)
     runtime = [p.name for p in fn.params if not p.is_constexpr]
     if len(runtime) != len(v.signature):
-        raise ValueError(f"{v.key}: kernel {v.kernel} takes {len(runtime)} runtime parameters, the ABI lists {len(v.signature)}")
+        raise ValueError(
+            f"{v.key}: kernel {v.kernel} takes {len(runtime)} runtime parameters, the ABI lists {len(v.signature)}"
+        )
     sig = dict(zip(runtime, v.signature.values()))  # ABI names -> the kernel's own parameter names, by position
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=dict(v.constexprs), attrs=attrs)
@@ -238,9 +240,15 @@ def attention_merge_variant(h: int, hd: int, dtype: str = "bfloat16") -> Variant
     from clover_export.plugins.contracts import BLOCK_ATTENTION_MERGE
 
     merge = launch.ATTENTION_MERGE_ABI
-    return Variant(f"BlockAttentionMerge.{_dt(dtype)}", "attention", merge.kernel,
-                   merge.signature(launch.io_dtypes(BLOCK_ATTENTION_MERGE, dtype)), launch.attention_merge_constexprs(h, hd),
-                   dict(launch.ATTENTION_MERGE_LAUNCH), "(cdiv(T * H, BLOCK_R), B, 1)")
+    return Variant(
+        f"BlockAttentionMerge.{_dt(dtype)}",
+        "attention",
+        merge.kernel,
+        merge.signature(launch.io_dtypes(BLOCK_ATTENTION_MERGE, dtype)),
+        launch.attention_merge_constexprs(h, hd),
+        dict(launch.ATTENTION_MERGE_LAUNCH),
+        "(cdiv(T * H, BLOCK_R), B, 1)",
+    )
 
 
 def attention_split_variants(cfg, dtype: str = "bfloat16", arch: int = 90) -> list[Variant]:
@@ -446,11 +454,15 @@ def all_variants(cfg, arch: int) -> list[Variant]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Write the plugin kernels' AOT PTX (hidden params stripped) and a manifest.")
+    ap = argparse.ArgumentParser(
+        description="Write the plugin kernels' AOT PTX (hidden params stripped) and a manifest."
+    )
     ap.add_argument("--out", required=True, type=Path, help="output folder")
     ap.add_argument("--arch", type=int, action="append", help="SM architecture(s), e.g. 90 (default: all supported)")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny config instead of Clover-35B-A3B sizes")
-    ap.add_argument("--trt-only", action="store_true", help="only the kernels TensorRT launches from PTX (model.trt.onnx)")
+    ap.add_argument(
+        "--trt-only", action="store_true", help="only the kernels TensorRT launches from PTX (model.trt.onnx)"
+    )
     args = ap.parse_args(argv)
     from clover_export.core.config import CloverConfig
 

@@ -202,14 +202,20 @@ def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None
     B, T, D = x.shape
     E, I, top_k = gate_up.shape[0], down.shape[-1], idx.shape[-1]
     fp8 = gate_up.dtype == torch.float8_e4m3fn
-    if fp8 != (down.dtype == torch.float8_e4m3fn) or fp8 != (gate_up_scale is not None) or fp8 != (down_scale is not None):
+    if (
+        fp8 != (down.dtype == torch.float8_e4m3fn)
+        or fp8 != (gate_up_scale is not None)
+        or fp8 != (down_scale is not None)
+    ):
         raise ValueError("CoresetMoE: FP8 needs both weights in float8_e4m3fn and both scales (fp32)")
     if shared is not None:
         sg, su, sd, sw = shared
         if fp8 or align != "kernels" or {tuple(sg.shape), tuple(su.shape), tuple(sd.shape[::-1])} != {(I, D)} or any(
                 t.dtype != gate_up.dtype for t in (sg, su, sd)):
-            raise ValueError(f"CoresetMoE: the shared expert joins the grouped GEMMs only with the routed experts' "
-                             f"shapes ([{I}, {D}], [{D}, {I}]) and dtype ({gate_up.dtype}), not FP8, on align='kernels'")
+            raise ValueError(
+                f"CoresetMoE: the shared expert joins the grouped GEMMs only with the routed experts' "
+                f"shapes ([{I}, {D}], [{D}, {I}]) and dtype ({gate_up.dtype}), not FP8, on align='kernels'"
+            )
     arch = _arch(x.device) if arch is None else arch
     dtype = str(x.dtype).removeprefix("torch.")
     P = B * T * top_k
@@ -252,8 +258,14 @@ def moe_experts(x, idx, w, gate_up, down, *, gate_up_scale=None, down_scale=None
                                                   **_FUSION)
         kern.moe_down_kernel[grids["down"]](h, down.contiguous(), ds, w, offsets, order, B, T, y, **dn, **opts,
                                             **_FUSION)
-    kern.moe_combine_kernel[grids["combine"]](y, idx, out, **launch.moe_combine_constexprs(D, E, top_k, shared is not None),
-                                              **launch.MOE_SMALL_LAUNCH, **_FUSION)
+    kern.moe_combine_kernel[grids["combine"]](
+        y,
+        idx,
+        out,
+        **launch.moe_combine_constexprs(D, E, top_k, shared is not None),
+        **launch.MOE_SMALL_LAUNCH,
+        **_FUSION,
+    )
     return out
 
 
