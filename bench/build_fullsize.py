@@ -155,7 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp folder in /tmp)")
     ap.add_argument("--only", choices=["bf16", "fp8", "fp8-weights"], default=None,
-                    help="fp8-weights: only the FP8 weight stage (quantise + write) vs the plain write")
+                    help="fp8-weights: only the FP8 weight stage (quantize + write) vs the plain write")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the build folders")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="clover-build-fullsize-"))
@@ -196,7 +196,7 @@ def main() -> None:
                 f"{written / GiB:.2f} GiB = {written / fp8_gemm:.3f} x the FP8 weight bytes ({fp8_gemm / GiB:.2f} GiB)"
             )
             print(
-                f"  quantisation stage: {fp8_file / GiB:.2f} GiB in {qsec:.1f} s = {fp8_file / qsec / 2**20:.0f} MiB/s "
+                f"  quantization stage: {fp8_file / GiB:.2f} GiB in {qsec:.1f} s = {fp8_file / qsec / 2**20:.0f} MiB/s "
                 f"vs plain write {fp8_file / plain / 2**20:.0f} MiB/s; wall {r['wall']:.0f} s vs target "
                 f"1.5 x {plain:.0f} s + 120 s = {1.5 * plain + 120:.0f} s"
             )

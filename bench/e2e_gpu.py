@@ -1,7 +1,7 @@
 """End to end on one GPU: the `triton` backend (kernels + CUDA graphs) on a full-size random-weight model.
 
 For B = 1, 8, 64 rows (4k cached prefix each), with a random router and a
-planted-skew (Zipf) router, bf16 experts then FP8 experts (quantised at
+planted-skew (Zipf) router, bf16 experts then FP8 experts (quantized at
 load): step time of a denoise step (32 block rows), a commit + denoise step
 (32 causal + 32 block rows) and an AR step (one row, plain top-8: the same
 weights as a block-size-1 engine), each beside its bound by PERF.md 1
@@ -248,14 +248,14 @@ def main(argv=None):
 
     def engines(fp8: bool):
         """The block engine (buckets: batches x C in {0, N}) and the AR engine (block 1, C = 0), same weights."""
-        from clover_export.backends.fp8_experts import quantise_at_load
+        from clover_export.backends.fp8_experts import quantize_at_load
         from clover_export.backends.triton_backend import TritonBackend
 
         state.clear()
         gc.collect()  # the old graphs (a backend <-> graphs cycle) and their memory pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        table = quantise_at_load(model) if fp8 else None
+        table = quantize_at_load(model) if fp8 else None
         zeros = {k: torch.zeros_like(v) for k, v in bias.items()}  # the router bias buffers the graphs read
         state["bias"] = zeros
         opts = dict(fp8=table, graph_batch_sizes=tuple(batches), progress=True)
@@ -355,7 +355,7 @@ def main(argv=None):
     if not args.no_eager:
         bench.section("eager vs compiled", eager_rows, need_s=est / 2)
     if not args.no_fp8:
-        bench.section("fp8 engines (quantise + capture)", lambda: engines(True), need_s=est)
+        bench.section("fp8 engines (quantize + capture)", lambda: engines(True), need_s=est)
         bench.section("fp8 step times", lambda: scenario_rows("fp8"), need_s=est / 4)
     bench.section("tokens/s", tokens_per_s)
     summary(bench)

@@ -300,7 +300,7 @@ def moe_only(model, cfg, timer, dev, dtype, fp8_experts, B: int, rows: int, N: i
             for tag, a8 in (("", False), ("_w8a8", True)):
                 fp8 = lambda a8=a8: ops.coreset_moe(x, a[1], gq, dq, *a[4:], gate_up_scale=gs, down_scale=ds,  # noqa: E731
                                                     tiles={"A8": a8})
-                res[f"fp8{tag}_rel_err_vs_dequantised_core"] = _rel(fp8()[0], want8)
+                res[f"fp8{tag}_rel_err_vs_dequantized_core"] = _rel(fp8()[0], want8)
                 ms8 = timer.step_ms(fp8, n=10)
                 res.update({f"fp8{tag}_ms": ms8, f"fp8{tag}_over_bf16": ms / ms8})
     return res

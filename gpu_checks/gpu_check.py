@@ -8,7 +8,7 @@ timeout). Each step prints one `PASS name ...`, `FAIL name ...` or
 under `$OUT/ptx/`.
 
 1. Correctness on CUDA against the plain-torch cores (same inputs, same
-   dtype; fp32 and bf16; FP8 expert weights against the dequantised
+   dtype; fp32 and bf16; FP8 expert weights against the dequantized
    reference): BlockGDN, BlockAttention (one pass and split), CoresetMoE.
 2. The AOT PTX of BlockGDN and BlockAttention launched exactly as TensorRT
    launches an AOT plugin (hidden Triton params stripped; pointers of the

@@ -1,7 +1,7 @@
 """Block expert coreset and MoE routing within it (MODEL.md 5.3), against `reference_literal`.
 
 Property tests on `assumed.coreset_mask` with random router probabilities
-(softmax ones, and quantised ones full of exact ties): enough mass, minimal,
+(softmax ones, and quantized ones full of exact ties): enough mass, minimal,
 never empty, a prefix of the sorted order with ties to the lower id, equal
 to the literal Python implementation. Then `moe_core`: block rows route
 only inside the kept set, weights renormalised, the distinct-expert count
@@ -31,7 +31,7 @@ PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 @st.composite
 def block_probs(draw, max_b=3, max_n=8, max_e=12):
-    """(probs [B, N, E] fp32, top_k, top_p): softmax rows, or quantised rows with many exact ties."""
+    """(probs [B, N, E] fp32, top_k, top_p): softmax rows, or quantized rows with many exact ties."""
     B, N, E = draw(st.integers(1, max_b)), draw(st.integers(1, max_n)), draw(st.integers(1, max_e))
     k = draw(st.integers(1, min(E, 4)))
     if draw(st.booleans()):

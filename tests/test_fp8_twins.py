@@ -93,7 +93,7 @@ def e4m3_byte_flipped(proto, folder):
 
 
 def qdq_dropped(proto, _):
-    """An activation's Q/DQ pair bypassed: the GEMM reads the unquantised activation."""
+    """An activation's Q/DQ pair bypassed: the GEMM reads the unquantized activation."""
     g = proto.graph
     q = next(n for n in g.node if n.op_type == "QuantizeLinear")
     dq = next(n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0])
@@ -205,7 +205,7 @@ def test_a_fault_in_every_fp8_weight_and_scale_kind_is_caught(twins, tmp_path, t
             faulted.append(logical_name(t.name))
 
     bad = mutated(twins, tmp_path, change)
-    gemms = {kind_of(n) for n in fp8_weight_names(load_config(tiny_dir))}  # independent: what FP8 quantises
+    gemms = {kind_of(n) for n in fp8_weight_names(load_config(tiny_dir))}  # independent: what FP8 quantizes
     assert {kind_of(n) for n in faulted} == {g + sfx for g in gemms for sfx in (".fp8", ".scale")}
     assert any(".mlp.experts." in n for n in faulted)
     rep = compare_twins(twins[0], bad)

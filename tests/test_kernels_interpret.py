@@ -175,7 +175,7 @@ def moe_case(B=2, Tc=3, N=5, D=32, E=8, I=16, k=2, top_p=0.9, coreset=True, fp8=
     kw = {}
     if fp8:
         (gq, gs), (dq, ds) = quantize_weight(gu), quantize_weight(dn)
-        gu, dn = dequantize(gq, gs), dequantize(dq, ds)  # the reference runs on the dequantised weights
+        gu, dn = dequantize(gq, gs), dequantize(dq, ds)  # the reference runs on the dequantized weights
         kw = dict(gate_up_scale=gs, down_scale=ds)
     want = moe_core(x, rw, gu, dn, k, top_p, coreset, N)
     got = coreset_moe(x, rw, gq if fp8 else gu, dq if fp8 else dn, k, top_p, coreset, N, **kw)
@@ -255,8 +255,8 @@ def moe_fp8_f16_case(act_dtype="float32", seed=7, B=2, Tc=3, N=5, D=64, E=8, I=3
 
 
 def moe_w8a8_case(B=2, Tc=40, N=8, D=64, E=8, I=32, k=2, seed=13):
-    """FP8 experts on e4m3 x e4m3 dots (tiles A8): equal to the sub-op chain run on the kernels' own quantised
-    activations (x per token, h per pair); the quantiser equals torch's e4m3 cast of x / (amax / 448)."""
+    """FP8 experts on e4m3 x e4m3 dots (tiles A8): equal to the sub-op chain run on the kernels' own quantized
+    activations (x per token, h per pair); the quantizer equals torch's e4m3 cast of x / (amax / 448)."""
     import torch
     import torch.nn.functional as F
 
@@ -286,7 +286,7 @@ def moe_w8a8_case(B=2, Tc=40, N=8, D=64, E=8, I=32, k=2, seed=13):
     offsets, order = ms.align_core(idx, E)
     h = ms.gate_up_core(dq_rows(x), gu, offsets, order)
     want = ms.combine_core(ms.down_core(dq_rows(h), dn, w, offsets, order), idx, E)
-    # h is quantised from the kernel's own h, which differs from the chain's by fp32 rounding: an element at a
+    # h is quantized from the kernel's own h, which differs from the chain's by fp32 rounding: an element at a
     # rounding tie may land one e4m3 step away (~1e-3 of a row's output); a wrong scale or row is O(1) off
     torch.testing.assert_close(got, want, atol=1e-3, rtol=2e-3, msg=lambda m: f"w8a8 routed: {m}")
     assert size.tolist() == distinct.tolist()

@@ -62,7 +62,7 @@ def test_an_earlier_export_is_replaced_only_with_force(tmp_path):
     assert claim_dir(out, "export", command="export", force=True) == out
 
 
-def test_another_kind_of_artefact_is_not_ours_to_replace(tmp_path):
+def test_another_kind_of_artifact_is_not_ours_to_replace(tmp_path):
     out = earlier_export(tmp_path / "out")
     for kind in ("build", "fp8", "train"):
         with pytest.raises(CloverError, match="is not empty"):
@@ -74,7 +74,7 @@ def test_another_kind_of_artefact_is_not_ours_to_replace(tmp_path):
         claim_dir(tmp_path / "b", "export", command="export", force=True)
 
 
-def test_a_corrupt_marker_is_not_an_artefact(tmp_path):
+def test_a_corrupt_marker_is_not_an_artifact(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "manifest.json").write_text("{not json")
     with pytest.raises(CloverError, match="is not empty"):
@@ -156,7 +156,7 @@ def test_quantize_refuses_a_user_folder(tiny_fp32_export, tmp_path, monkeypatch)
     from clover_export.quantize.graph import quantize_graph
 
     def no_work(*a, **k):
-        raise AssertionError("the FP8 weights were quantised before OUT was checked")
+        raise AssertionError("the FP8 weights were quantized before OUT was checked")
 
     monkeypatch.setattr(fp8_weights, "quantize_weights", no_work)
     files = user_folder(tmp_path / "mine")

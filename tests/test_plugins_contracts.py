@@ -140,7 +140,7 @@ def test_manifest_entry_changes_when_a_contract_changes():
 
 
 def test_fp8_variant_keeps_the_base_interface():
-    """CoresetMoEFP8 is CoresetMoE on dequantised weights: same attributes, outputs, x and router inputs."""
+    """CoresetMoEFP8 is CoresetMoE on dequantized weights: same attributes, outputs, x and router inputs."""
     fp8, base = C.CORESET_MOE_FP8, C.CONTRACTS[C.CORESET_MOE_FP8.variant_of]
     assert base is C.CORESET_MOE and C.STEP_OPS == ("BlockGDN", "BlockAttention", "CoresetMoE")
     assert fp8.attributes == base.attributes and fp8.outputs == base.outputs
@@ -151,7 +151,7 @@ def test_fp8_variant_keeps_the_base_interface():
         assert (fp8.input(f"{w}_fp8").dtype, fp8.input(f"{w}_scale").dtype) == ("float8_e4m3fn", "float32")
 
 
-def test_fp8_reference_is_the_core_on_dequantised_weights():
+def test_fp8_reference_is_the_core_on_dequantized_weights():
     tensors, attrs = _inputs(2)
     t, a = tensors["CoresetMoEFP8"], attrs["CoresetMoEFP8"]
     deq = {w: t[f"{w}_fp8"].float() * t[f"{w}_scale"][..., None] for w in ("gate_up", "down")}

@@ -1,4 +1,4 @@
-"""FP8 quantisation math against ml_dtypes' float8_e4m3fn casts."""
+"""FP8 quantization math against ml_dtypes' float8_e4m3fn casts."""
 
 import ml_dtypes
 import numpy as np

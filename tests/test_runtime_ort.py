@@ -34,7 +34,7 @@ def test_ort_matches_the_literal_reference_and_torch(artifact, model, tiny_dir, 
     from clover_export.backends.ort_backend import OrtBackend
 
     backend = OrtBackend.load(artifact, providers=["CPUExecutionProvider"])
-    # the export carries the tokenizer files, so the artefact alone is enough (the model folder may move)
+    # the export carries the tokenizer files, so the artifact alone is enough (the model folder may move)
     assert backend.max_context == 1024 and backend.source_dir == artifact
     assert (artifact / "tokenizer.json").read_bytes() == (tiny_dir / "tokenizer.json").read_bytes()
     prompt = PROMPTS["short"]

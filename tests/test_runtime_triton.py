@@ -3,7 +3,7 @@
 The interpreter must be on before triton is imported, so the kernel checks
 run in a child process (this file as a script); each test reads its case's
 result. The references are independent of the kernels: the torch backend
-(plain-torch cores) and the reference MoE on dequantised weights.
+(plain-torch cores) and the reference MoE on dequantized weights.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_greedy_tokens_equal_the_torch_backend_with_requests_in_different_phases
 
 
 @pytest.mark.slow
-def test_fp8_experts_quantised_at_load_match_the_reference_on_dequantised_weights():
+def test_fp8_experts_quantized_at_load_match_the_reference_on_dequantized_weights():
     r = run_child("fp8")["fp8"]
     assert r["expert_dtypes"] == ["torch.float8_e4m3fn"]
     assert r["coreset_equal"]
@@ -263,8 +263,8 @@ def test_fp8_weights_without_scales_are_refused():
         KernelMoE(None)(torch.zeros(1, 2, 4), torch.zeros(2, 4), w, w, 1, 0.9, True, 1)
 
 
-def test_fp8_artefact_without_scales_is_refused(tmp_path, monkeypatch):
-    """An FP8 artefact whose graph lacks an expert scale: one CloverError naming the tensor."""
+def test_fp8_artifact_without_scales_is_refused(tmp_path, monkeypatch):
+    """An FP8 artifact whose graph lacks an expert scale: one CloverError naming the tensor."""
     from clover_export.backends import fp8_experts
     from clover_export.backends.triton_backend import TritonBackend
 
@@ -285,7 +285,7 @@ def test_fp8_artefact_without_scales_is_refused(tmp_path, monkeypatch):
     with pytest.raises(CloverError, match=f"FP8 scales {name}.scale missing"):
         fp8_experts.from_artifact(be.model, tmp_path)
     Art.manifest = {}
-    with pytest.raises(CloverError, match="not an FP8 artefact"):
+    with pytest.raises(CloverError, match="not an FP8 artifact"):
         fp8_experts.from_artifact(be.model, tmp_path)
 
 
@@ -341,8 +341,8 @@ def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
 
 
 @pytest.mark.slow
-def test_fp8_experts_read_from_an_fp8_artefact_are_its_e4m3_bytes_and_scales(tmp_path, monkeypatch):
-    """An artefact written by the FP8 rewrite (engines/fp8.py): the backend's experts are its e4m3 tensors,
+def test_fp8_experts_read_from_an_fp8_artifact_are_its_e4m3_bytes_and_scales(tmp_path, monkeypatch):
+    """An artifact written by the FP8 rewrite (engines/fp8.py): the backend's experts are its e4m3 tensors,
     equal to quantize_weight of the source weights, with its scales."""
     import torch
 

@@ -58,8 +58,8 @@ def test_dry_run_writes_every_scenario(tmp_path):
         assert s["bytes_gb"]["embedding_rows"] == pytest.approx(want.embedding / 1e9, rel=1e-9)
     moe = res["moe"]["zipf"]
     assert moe["fp8_over_bf16"] > 0 and 0 < moe["experts_selected"] <= 16
-    assert moe["bf16_rel_err_vs_core"] < 1e-5 and moe["fp8_rel_err_vs_dequantised_core"] < 1e-5  # fp32 dry run
-    assert 1e-4 < moe["fp8_w8a8_rel_err_vs_dequantised_core"] < 0.1  # activations quantised too: close, not equal
+    assert moe["bf16_rel_err_vs_core"] < 1e-5 and moe["fp8_rel_err_vs_dequantized_core"] < 1e-5  # fp32 dry run
+    assert 1e-4 < moe["fp8_w8a8_rel_err_vs_dequantized_core"] < 0.1  # activations quantized too: close, not equal
     # the kernel changes side by side: every variant of every chosen step timed (the dry run plays two steps)
     variants = {v["name"]: v for v in res["variants"]}
     assert set(variants) == {"b1_denoise", "b8_commit_denoise_fp8"}

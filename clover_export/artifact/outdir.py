@@ -3,10 +3,10 @@ the same kind (issue 10, data loss). One policy for `export`, `build`, `train`, 
 and the FP8 rewrite:
 
   - OUT missing, or an empty folder: written.
-  - OUT holds an earlier artefact of the same kind (recognised by its marker: an export's manifest.json,
+  - OUT holds an earlier artifact of the same kind (recognised by its marker: an export's manifest.json,
     a build's build.json, a trained folder's training.json, Polygraphy's RunResults JSON): replaced only
     with --force (`build` reuses its own folder without --force: re-running it is incremental).
-  - anything else non-empty (a user's folder, another kind of artefact, a file where a folder goes):
+  - anything else non-empty (a user's folder, another kind of artifact, a file where a folder goes):
     refused with the first few entries named; --force never overrides this.
   - the working directory, the home folder, `/`, their ancestors, and the model folder (or anything
     around or inside it) are never OUT, --force or not.

@@ -1,7 +1,7 @@
 """FP8 routed experts for the `triton` backend (STEP_GRAPH.md 4): e4m3 weights + fp32 per-output-channel scales.
 
-Two sources, the same bytes: quantised at load (`engines.quantize.quantize_weight`,
-what `clover-export fp8` writes), or read from an FP8 artefact (its
+Two sources, the same bytes: quantized at load (`engines.quantize.quantize_weight`,
+what `clover-export fp8` writes), or read from an FP8 artifact (its
 `<name>.fp8` tensors in the weight map and the `<name>.scale` initializers of
 its graph). The model's expert parameters are replaced by the e4m3 tensors
 (half the bytes of bf16); `Fp8Experts.scales(gate_up, down)` gives the scales
@@ -40,7 +40,7 @@ class Fp8Experts:
         old = getattr(experts, tensor)
         if tuple(w8.shape) != tuple(old.shape) or tuple(scale.shape) != tuple(old.shape[:-1]):
             raise CloverError("runtime", f"{name}: FP8 weight {tuple(w8.shape)} / scale {tuple(scale.shape)} do not "
-                              f"match the model's {tuple(old.shape)}", "the artefact was exported from another model")
+                              f"match the model's {tuple(old.shape)}", "the artifact was exported from another model")
         param = nn.Parameter(w8.to(old.device), requires_grad=False)
         setattr(experts, tensor, param)
         self._scales[id(param)] = scale.to(old.device, torch.float32).contiguous()
@@ -53,8 +53,8 @@ class Fp8Experts:
 
 
 @torch.no_grad()
-def quantise_at_load(model) -> Fp8Experts:
-    """Quantise every layer's experts in place, one tensor at a time (per-output-channel absmax scales)."""
+def quantize_at_load(model) -> Fp8Experts:
+    """Quantize every layer's experts in place, one tensor at a time (per-output-channel absmax scales)."""
     table = Fp8Experts()
     for name in expert_names(model):
         w8, scale = quantize_weight(model.get_parameter(name))
@@ -63,7 +63,7 @@ def quantise_at_load(model) -> Fp8Experts:
 
 
 def from_artifact(model, art_dir: str | Path) -> Fp8Experts:
-    """The e4m3 expert tensors and their scales of an FP8 artefact (written by `clover-export fp8`)."""
+    """The e4m3 expert tensors and their scales of an FP8 artifact (written by `clover-export fp8`)."""
     import onnx
     from onnx import numpy_helper
 
@@ -71,8 +71,8 @@ def from_artifact(model, art_dir: str | Path) -> Fp8Experts:
 
     art = load_artifact(art_dir)
     if "quantization" not in art.manifest:
-        raise CloverError("runtime", f"{art.dir}: not an FP8 artefact (its manifest has no quantization entry)",
-                          "pass the folder written by `clover-export fp8`, or fp8_experts=True to quantise at load")
+        raise CloverError("runtime", f"{art.dir}: not an FP8 artifact (its manifest has no quantization entry)",
+                          "pass the folder written by `clover-export fp8`, or fp8_experts=True to quantize at load")
     wmap = read_weight_map(art)
     graph = onnx.load(str(art.graph_path), load_external_data=False).graph
     inits = {t.name: t for t in graph.initializer}
@@ -81,10 +81,10 @@ def from_artifact(model, art_dir: str | Path) -> Fp8Experts:
         entry, scale = wmap.get(f"{name}.fp8"), inits.get(f"{name}.scale")
         if entry is None or entry.get("dtype") != "F8_E4M3":
             raise CloverError("runtime", f"{art.dir}: no e4m3 tensor {name}.fp8 in its weight map",
-                              "quantise the artefact's experts again with `clover-export fp8`")
+                              "quantize the artifact's experts again with `clover-export fp8`")
         if scale is None:
             raise CloverError("runtime", f"{art.dir}: FP8 scales {name}.scale missing from the graph",
-                              "the artefact is incomplete; quantise it again with `clover-export fp8`")
+                              "the artifact is incomplete; quantize it again with `clover-export fp8`")
         w8 = torch.from_numpy(_read(art.dir, entry, np.uint8)).view(FP8_DTYPE)
         if scale.data_location == onnx.TensorProto.EXTERNAL:  # in the build's shared FP8 weight file
             s = _read(art.dir, wmap[f"{name}.scale"], np.float32)

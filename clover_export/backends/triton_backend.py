@@ -7,7 +7,7 @@ the host. On a CUDA GPU the step is captured once per bucket of (batch
 rows, causal rows) at load (`cuda_graphs.py`) and replayed into static
 outputs; steps outside every bucket run eagerly (or raise with
 `eager_fallback=False`). Padding causal rows select no expert (PERF.md 1).
-Experts can be FP8 (`fp8_experts`: quantised at load, or an FP8 artefact).
+Experts can be FP8 (`fp8_experts`: quantized at load, or an FP8 artifact).
 
 On the CPU it runs the same kernels under TRITON_INTERPRET=1 (fp32, no
 graphs): how CI checks it against the torch backend.
@@ -22,7 +22,7 @@ import torch
 
 from clover_export.backends.base import StepShape
 from clover_export.backends.cuda_graphs import StepGraphs, default_buckets
-from clover_export.backends.fp8_experts import Fp8Experts, from_artifact, quantise_at_load
+from clover_export.backends.fp8_experts import Fp8Experts, from_artifact, quantize_at_load
 from clover_export.backends.torch_backend import check_device
 from clover_export.core import names
 from clover_export.core.errors import CloverError
@@ -139,14 +139,14 @@ class TritonBackend:
     @classmethod
     def load(cls, model=None, *, dtype: str = "auto", device: str | None = None, block_size: int | None = None,
              allow_qwen: bool = False, fp8_experts: bool | str | Path = False, **options) -> "TritonBackend":
-        """model: a model folder (None: the embedded default). fp8_experts: True quantises the experts at
-        load; a path reads them from that FP8 artefact. options: cuda_graphs, graph_batch_sizes,
+        """model: a model folder (None: the embedded default). fp8_experts: True quantizes the experts at
+        load; a path reads them from that FP8 artifact. options: cuda_graphs, graph_batch_sizes,
         graph_causal_rows, eager_fallback, progress."""
         from clover_export.artifact.manifest import is_artifact
 
         if is_artifact(model):
             raise CloverError("runtime", f"{model}: is an exported artifact; the triton backend runs a model folder",
-                              "pass the model folder (and fp8_experts=<the FP8 artefact> for its FP8 experts)")
+                              "pass the model folder (and fp8_experts=<the FP8 artifact> for its FP8 experts)")
         dev, torch_dtype = check_target(device or ("cuda" if torch.cuda.is_available() else "cpu"), dtype)
         if block_size is not None and block_size < 1:
             raise CloverError("runtime", f"block_size must be >= 1, got {block_size}")
@@ -154,7 +154,7 @@ class TritonBackend:
         ref = load_model(model_dir, dtype=torch_dtype, allow_qwen=allow_qwen, device=str(dev), block_size=block_size)
         fp8 = None
         if fp8_experts is True:
-            fp8 = quantise_at_load(ref)
+            fp8 = quantize_at_load(ref)
         elif fp8_experts:
             fp8 = from_artifact(ref, fp8_experts)
         return cls(ref, model_dir, fp8=fp8, **options)

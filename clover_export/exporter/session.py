@@ -11,7 +11,7 @@ from clover_export.core.errors import CloverError
 
 def ort_session(artifact: Artifact, providers: list | None = None, session_options=None,
                 fed_weights: dict | None = None):
-    """An `onnxruntime.InferenceSession` for the artefact's step graph.
+    """An `onnxruntime.InferenceSession` for the artifact's step graph.
 
     providers: as for ONNX Runtime (default: CUDA EP when available, then CPU).
     `map` weights mode: the graph's initializers point at files that are not in

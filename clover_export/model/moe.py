@@ -60,7 +60,7 @@ def moe_core(
 
 
 def moe_core_fp8(
-    x: torch.Tensor,  # [B, T, D] normalised hidden states, model dtype (activations stay unquantised)
+    x: torch.Tensor,  # [B, T, D] normalised hidden states, model dtype (activations stay unquantized)
     router_w: torch.Tensor,  # [E, D] model dtype
     gate_up_fp8: torch.Tensor,  # [E, 2I, D] float8_e4m3fn
     gate_up_scale: torch.Tensor,  # [E, 2I] fp32, one per output channel
@@ -71,7 +71,7 @@ def moe_core_fp8(
     coreset: bool,
     block_size: int,
 ):
-    """`moe_core` on the dequantised experts: W = (fp8 as fp32 * scale per output row), cast to x's dtype."""
+    """`moe_core` on the dequantized experts: W = (fp8 as fp32 * scale per output row), cast to x's dtype."""
     gate_up = (gate_up_fp8.float() * gate_up_scale.float()[..., None]).to(x.dtype)
     down = (down_fp8.float() * down_scale.float()[..., None]).to(x.dtype)
     return moe_core(x, router_w, gate_up, down, top_k, top_p, coreset, block_size)

@@ -69,7 +69,7 @@ class OpContract:
     outputs: tuple[TensorSpec, ...]
     aliases: dict[str, str] = field(default_factory=dict)  # output name -> input name
     doc: str = ""
-    variant_of: str = ""  # a quantised form of that op (the exporter emits the base op; engines/fp8.py rewrites)
+    variant_of: str = ""  # a quantized form of that op (the exporter emits the base op; engines/fp8.py rewrites)
     namespace: str = NAMESPACE
     version: str = PLUGIN_VERSION
 
@@ -372,6 +372,6 @@ def output_dtype_source(spec: TensorSpec) -> str | None:
 
 
 def manifest_entry(names=STEP_OPS) -> dict[str, dict]:
-    """What an artefact records about the ops it uses (contract names; default: the exported graph's)."""
+    """What an artifact records about the ops it uses (contract names; default: the exported graph's)."""
     return {CONTRACTS[n].qualname: {"version": CONTRACTS[n].version, "fingerprint": CONTRACTS[n].fingerprint()}
             for n in sorted(names)}

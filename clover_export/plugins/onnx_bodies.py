@@ -387,7 +387,7 @@ def expert_loop(b: Body, inputs: list[str], expert, x: str, weights: str, chosen
 # --- clover::CoresetMoEFP8 ------------------------------------------------------
 def moe_fp8_body() -> list[onnx.NodeProto]:
     """moe.moe_core_fp8: W = Cast(fp8, float) * scale[..., None], rounded to x's dtype, then the CoresetMoE body
-    (self-contained: no nested function call, so the function runs wherever it is attached); dequantised one
+    (self-contained: no nested function call, so the function runs wherever it is attached); dequantized one
     expert at a time inside the expert Scan."""
 
     def expert(s: Body, w: dict[str, str]) -> tuple[str, str]:

@@ -97,7 +97,7 @@ def check_attention(dtype, splits, tol=None):
 
 
 def check_moe(dtype, fp8=False, tol=None):
-    """CoresetMoE (256 experts x 512, top-8, coreset top_p); FP8 against the core on the dequantised weights."""
+    """CoresetMoE (256 experts x 512, top-8, coreset top_p); FP8 against the core on the dequantized weights."""
     tol = tol or (1e-3 if dtype == torch.float32 else 3e-2)
     B, T, N = 2, 64, 32
     x, rw, gu, dn = moe_inputs(B, T, REAL["D"], REAL["E"], REAL["I"], dtype, seed=3)

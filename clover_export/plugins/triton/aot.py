@@ -337,7 +337,7 @@ def moe_shared_variants(cfg, dtype: str = "bfloat16", arch: int = 90, pairs: int
 
 
 def moe_a8_variants(cfg, dtype: str = "bfloat16", arch: int = 90, pairs: int = 4096) -> list[Variant]:
-    """The torch path's w8a8 FP8 experts (launch.moe_w8a8): activation quantiser, then e4m3 x e4m3 GEMMs on the
+    """The torch path's w8a8 FP8 experts (launch.moe_w8a8): activation quantizer, then e4m3 x e4m3 GEMMs on the
     M-block grid (tiles for `pairs` routed pairs: B = 8 commit+denoise by default)."""
     a = _dt(dtype)
     block_m = launch.moe_a8_block_m(pairs, cfg.num_experts, arch)

@@ -53,7 +53,7 @@ e4m3 -> fp16 is one instruction (-> bf16 is several: the widening was
 issue-bound at small M), and the activations are converted to fp16 after a
 per-row power-of-two scale (`_row_scale`) that keeps them inside fp16's
 range whatever their size; fp32 activations keep fp32 dots (validation).
-w8a8 (`launch.moe_w8a8`, opt-in until measured): `act_quant_kernel` quantises
+w8a8 (`launch.moe_w8a8`, opt-in until measured): `act_quant_kernel` quantizes
 the tokens (and then h) per row to e4m3 with an fp32 scale, and
 `moe_gate_up_a8_kernel` / `moe_down_a8_kernel` feed e4m3 x e4m3 to the MMA
 (nothing widened in the inner loop; the row scale and the weight's channel
@@ -284,7 +284,7 @@ def moe_gate_up_a8_kernel(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, ord
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                           M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
-    """FP8 experts on e4m3 x e4m3 dots (w8a8): xq/xs the tokens quantised by `act_quant_kernel`."""
+    """FP8 experts on e4m3 x e4m3 dots (w8a8): xq/xs the tokens quantized by `act_quant_kernel`."""
     _gate_up(xq_ptr, xs_ptr, gu_ptr, gu_scale_ptr, offsets_ptr, order_ptr, B, T, h_ptr, gu_ptr, gu_ptr, D, I, K,
              HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP, False)
 
@@ -391,7 +391,7 @@ def moe_down_a8_kernel(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
                        M_GRID: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr):
-    """FP8 experts on e4m3 x e4m3 dots (w8a8): hq/hs the pair rows quantised by `act_quant_kernel`."""
+    """FP8 experts on e4m3 x e4m3 dots (w8a8): hq/hs the pair rows quantized by `act_quant_kernel`."""
     _down(hq_ptr, hs_ptr, down_ptr, down_scale_ptr, w_ptr, offsets_ptr, order_ptr, B, T, y_ptr, down_ptr, D, I, K,
           HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, False, True, M_GRID, NE, NEP, False)
 
@@ -541,7 +541,7 @@ def _round_e4m3(v):
 
 @triton.jit
 def act_quant_kernel(x_ptr, xq_ptr, xs_ptr, R, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    """Per-row e4m3 quantisation for the w8a8 expert GEMMs: s = amax / 448 (fp32), xq = x / s in e4m3."""
+    """Per-row e4m3 quantization for the w8a8 expert GEMMs: s = amax / 448 (fp32), xq = x / s in e4m3."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
     m = (rows < R)[:, None] & (d < D)[None, :]
