@@ -47,7 +47,7 @@ CASES = {
     "generate_bad_device": (["generate", "{tiny}", "--prompt", "hi", "--device", "foo"], ["[runtime]", "'foo'"]),
     "compare_corrupt_golden": (["compare", "{tmp}/bad.json", "{tiny}"], ["[golden]", "bad.json", "not valid JSON"]),
 }
-# OUT policy (clover_export/artifact/outdir.py, issue 10): a user's folder or file is never replaced, --force or not
+# OUT policy (clover_export/artifact/outdir.py): a user's folder or file is never replaced, --force or not
 # (the policy's other cases are in test_outdir.py, without a subprocess each).
 # The commands run in {tmp}/work, a folder of the user's: `--out .` must not touch it.
 CASES.update(

@@ -68,7 +68,7 @@ def exports(tiny_dir, tmp_path_factory) -> dict[str, tuple[Path, W.WeightReport]
             res = export(tiny_dir, root / name, weights=weights, **SMALL)
         out[name] = (root / name, res.weights)
 
-    make("default")  # this machine as it is: ext4 here (a copy), a reflink on btrfs / xfs
+    make("default")  # the filesystem as it is: a copy on ext4, a reflink on btrfs / xfs
     make("copy", weights="copy")
     make("map", weights="map")
     make("hardlink", reflink=False, large=True)

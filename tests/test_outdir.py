@@ -1,4 +1,4 @@
-"""The output policy (clover_export/artifact/outdir.py, issue 10 "data loss"): a user's folder is never replaced.
+"""The output policy (clover_export/artifact/outdir.py): a user's folder is never replaced.
 
 The policy is tested on its own (fast: folders of a few files), then through `export()`, whose
 refusal comes before any work. The CLI cases (exit 1, one line, files untouched) are in
@@ -139,7 +139,7 @@ def test_commit_rechecks_out(tmp_path):
 
 
 def test_export_refuses_a_user_folder_and_deletes_nothing(tiny_dir, tmp_path):
-    """Regression (issue 10): export used to replace OUT wholesale, deleting the user's files."""
+    """export never replaces a user's folder wholesale: the user's files stay."""
     from clover_export.exporter.export import export
 
     files = user_folder(tmp_path / "mine")

@@ -1,4 +1,4 @@
-"""Requests isolated from each other (issue 10): seeded sampling independent of the batch, every
+"""Requests isolated from each other: seeded sampling independent of the batch, every
 parameter checked up front, a failing step fails only the requests it concerns (DECODING.md 1.2, 4)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `triton` runtime backend (issue 12): kernels under TRITON_INTERPRET=1 against the torch backend, bad input.
+"""The `triton` runtime backend: kernels under TRITON_INTERPRET=1 against the torch backend, bad input.
 
 The interpreter must be on before triton is imported, so the kernel checks
 run in a child process (this file as a script); each test reads its case's

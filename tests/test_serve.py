@@ -136,7 +136,7 @@ def running_soon(server, timeout=20):
 
 
 # --- answers equal the Python API -------------------------------------------------------------------------
-# prompts the embedded model answers in a few denoise steps (the test box is small and shared)
+# prompts the embedded model answers in a few denoise steps (short enough for a small shared CPU)
 CHAT_CASES = [
     ("What is 2 + 3?", {}, 64),
     ("What is 7 + 8?", {"enable_thinking": False}, 64),

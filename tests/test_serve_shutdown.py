@@ -27,7 +27,7 @@ from clover_export.serve.app import ServeOptions, build_app
 
 # exactly one token per step (threshold 1.0) and no end token: ~1000 steps unless cancelled
 ENDLESS = {**LONG, "max_tokens": 1000}
-# the same prompt for one block: exactly 32 steps, a few seconds beside three other rows on a small box
+# the same prompt for one block: exactly 32 steps, a few seconds beside three other rows on a small CPU
 ONE_BLOCK = {**LONG, "max_tokens": 32}
 
 
@@ -65,7 +65,7 @@ def test_a_client_that_disconnects_leaves_the_batch_at_the_next_step(server, str
     while row in sched.running and time.monotonic() < end:
         time.sleep(0.001)
     assert row.finish_reason == "cancelled" and row.denoise_steps < 100
-    # the step running at the disconnect completes; the row is in no later step (one more for a slow box)
+    # the step running at the disconnect completes; the row is in no later step (one more on a slow CPU)
     assert loop.steps - steps <= 2
     assert len(sched.free_slots) == 4 and httpx.get(server.url + "/health").status_code == 200
 

@@ -1,4 +1,4 @@
-"""Issue 17: a torch-backend step costs what its rows compute and read, not the pools' capacity.
+"""A torch-backend step costs what its rows compute and read, not the pools' capacity.
 
 The same step at two pool capacities gives bit-identical logits, runs the same
 ops on the same shapes (nothing sized by max_context is computed), writes only

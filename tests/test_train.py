@@ -1,4 +1,4 @@
-"""Training the tiny Clover (issue 5): objective, determinism, evaluator, shipped default."""
+"""Training the tiny Clover: objective, determinism, evaluator, shipped default."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def test_shipped_folder_matches_tiny_config():
 
 def test_shipped_default_answers_heldout_prompts(tiny_dir):
     """The embedded default (as `resolve_model_dir('tiny')` gives it) solves held-out prompts it never saw,
-    several tokens per forward (issue 5 target: >= 3 at threshold 0.95)."""
+    several tokens per forward (target: >= 3 at threshold 0.95)."""
     model = load_for_eval(tiny_dir)
     exs = tasks.heldout_examples()[-16:]
     for thinking in (False, True):

@@ -1,5 +1,5 @@
 """Where commands write: an OUT folder (or file) is replaced only when it is our own earlier output of
-the same kind (issue 10, data loss). One policy for `export`, `build`, `train`, `validate --save-io`
+the same kind: a user's files are never lost. One policy for `export`, `build`, `train`, `validate --save-io`
 and the FP8 rewrite:
 
   - OUT missing, or an empty folder: written.

@@ -1,4 +1,4 @@
-"""CPU threads of the backends (issue 16): deliberate, and never left changed for a library caller.
+"""CPU threads of the backends: deliberate, and never left changed for a library caller.
 
 Policy, in this order:
 1. an explicit `threads` (`--threads`, `Generator.load(..., threads=N)`) wins;
@@ -8,7 +8,8 @@ Policy, in this order:
    of the step, at most the cores this process may use. The embedded default
    (hidden 128) and small steps run single-threaded: their ~200 small ops per
    step gain nothing from a team and, on a busy machine, each one waits for
-   descheduled workers (issue 16 measured 5.3 s instead of 0.018 s a step).
+   descheduled workers (`python bench/cpu_contention.py` compares a thread per core with this policy
+   beside 0, 2 and 4 busy processes).
 
 torch's thread count is process-global, so the torch backend sets it for the
 duration of each step and puts the caller's value back after (cost: two

@@ -1,9 +1,9 @@
 """Streaming reads and writes past the page cache (O_DIRECT), for passes over the whole checkpoint.
 
-A streamed pass (FP8 calibration, issue 11) reads the 64 GiB of experts once
+A streamed pass (FP8 calibration) reads the 64 GiB of experts once
 per pass on a machine with far less RAM: the page cache cannot keep any of
 it for the next pass, and filling it is most of the cost of a memory-mapped
-read (measured on the 2-core box: 1.6 GiB of a layer in 2-3 s through page
+read (measured on 2 CPU cores: 1.6 GiB of a layer in 2-3 s through page
 faults, 0.4 s with O_DIRECT into a buffer already mapped; on a real disk
 O_DIRECT reads at the device's rate without evicting everything else).
 
@@ -16,12 +16,12 @@ O_DIRECT (tmpfs, some network file systems) the same runs are read through the p
 
 `read_views` is the other way to read: the tensors asked for stay readable as views into an `Arena` the
 caller keeps (a streamed layer's routed experts, 1.6 GiB a layer at full size: copying them out of the
-staging buffer took one of the 2 cores ~0.6 s a layer away from the GEMMs beside it).
+staging buffer took one of 2 cores ~0.6 s a layer away from the GEMMs beside it).
 
 `DirectWriter` is the other direction, for the 30.7 GiB FP8 weight file: it
-is written beside CPU-bound stages (`engines/background.py`), and through the
+is written beside CPU-bound stages (`pipeline/background.py`), and through the
 page cache its writeback and reclaim took as much CPU from them as the
-overlap saved (measured: the GDN slice 35 -> 61 s). Bytes are gathered in
+overlap saved (the GDN slice 35 -> 61 s; `python bench/build_fullsize.py` times the stages). Bytes are gathered in
 one aligned buffer and written in whole chunks; the file is cut to its
 logical size at the end.
 
@@ -167,8 +167,8 @@ POPULATE_BYTES = 64 * 2**20  # tensors from this size up get their pages mapped 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty`, but from POPULATE_BYTES up its pages are mapped when it is made (MAP_POPULATE): one
     pass in the kernel instead of a page fault per 4 KiB from whichever threads write it first (a parallel
-    `copy_` faulting from 2 threads took 2x the kernel time of one pass: ~1.1 vs ~0.55 s a GiB on the
-    2-core box). The tensor keeps its mapping alive; it is unmapped with the last view of it."""
+    `copy_` faulting from 2 threads took 2x the kernel time of one pass: ~1.1 vs ~0.55 s a GiB on 2
+    CPU cores). The tensor keeps its mapping alive; it is unmapped with the last view of it."""
     nbytes = math.prod(shape) * dtype.itemsize
     populate = getattr(mmap, "MAP_POPULATE", 0)
     if nbytes == 0 or nbytes < POPULATE_BYTES or not populate:

@@ -4,7 +4,7 @@ Same architecture pattern as Clover-35B-A3B at toy size: 3 GDN layers then 1
 attention layer (repeated), a few experts, GQA, partial RoPE; byte-level BPE
 tokenizer with chat template. Weights are BF16 safetensors in the real layout.
 The shipped weights were trained for block diffusion on synthetic digit-list
-tasks (`clover_export.train`, issue 5; facts in `trained/training.json`);
+tasks (`clover_export.train`; facts in `trained/training.json`);
 `generate_random_tiny` still makes random folders of any shape for tests.
 """
 

@@ -1,4 +1,4 @@
-"""Training the embedded default: a tiny Clover taught block diffusion on synthetic tasks (issue 5).
+"""Training the embedded default: a tiny Clover taught block diffusion on synthetic tasks.
 
 `tasks` makes the checkable prompts, `data` renders them through the chat
 template into block-diffusion batches (MODEL.md 5.1), `trainer` runs the

@@ -1,4 +1,4 @@
-"""`python -m clover_export.train`: train the tiny Clover and write a model folder (issue 5)."""
+"""`python -m clover_export.train`: train the tiny Clover and write a model folder."""
 
 from __future__ import annotations
 

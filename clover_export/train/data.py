@@ -1,4 +1,4 @@
-"""Chat-template rendering and block-diffusion batches (MODEL.md 5.1; issue 5).
+"""Chat-template rendering and block-diffusion batches (MODEL.md 5.1).
 
 One training example is one forward step from empty caches: the rendered
 prompt as causal rows (left-aligned, `n_causal` per row, padded) and one

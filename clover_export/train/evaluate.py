@@ -1,4 +1,4 @@
-"""Score a model on held-out prompts with the runtime's LowConfidence loop (DECODING.md 1-2; issue 5).
+"""Score a model on held-out prompts with the runtime's LowConfidence loop (DECODING.md 1-2).
 
 Greedy decoding through `clover_export.runtime` (scheduler, runner, torch
 backend on the in-memory model), with every control of DECODING.md 3 off

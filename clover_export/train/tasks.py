@@ -1,4 +1,4 @@
-"""Synthetic tasks with checkable, several-token answers (issue 5).
+"""Synthetic tasks with checkable, several-token answers.
 
 Two digit-list tasks, both answered in one block: sort a list of single
 digits ("Sort: 7 3 9" -> "3 7 9") and reverse it ("Reverse: 7 3 9" -> "9 3 7").

@@ -1,4 +1,4 @@
-"""The block-diffusion training loop through the reference model (MODEL.md 5.1-5.3; issue 5).
+"""The block-diffusion training loop through the reference model (MODEL.md 5.1-5.3).
 
 Objective: per example, the prompt as causal rows and one block of the
 response (+ `<|im_end|>`, `<|endoftext|>` padding) with k ~ U{1..N} of its N

@@ -328,8 +328,8 @@ def attention_merge_constexprs(num_heads: int, head_dim: int) -> dict:
 
 
 def attention_splits_waves(B: int, T: int, L: int, consts: dict, num_sms: int, max_splits: int = 32) -> int:
-    """FlashAttention's rule for the split count, written from its description (a bench variant until the
-    H200 measures it): no split once the programs fill 80 % of the SMs; else, among split counts that change
+    """FlashAttention's rule for the split count, written from its description (a bench variant, not yet
+    measured on a GPU): no split once the programs fill 80 % of the SMs; else, among split counts that change
     the key blocks per split, the fewest whose wave efficiency (programs / SMs, over its ceiling) is within
     85 % of the best."""
     base = attention_grid(B, T, consts)[0] * B * consts["HKV"]
@@ -357,16 +357,16 @@ MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
 }
 
 
-# FP8 experts, measured on the H200 (2026-11-30, MoE op alone at B = 8 commit+denoise, 256 experts; bf16 0.597 ms;
-# bench/results/step_bound_h200_fp8_variants_2026-11-30.txt): the bf16 tile table with e4m3 widened to bf16 in
-# registers 0.531 ms (1.13x faster than bf16), the same tiles on fp16 dots (moe.py `_row_scale`) 0.581 ms, the
-# K-256 tiles of the 29 Nov sweep on fp16 dots 0.850 ms and widened to bf16 1.020 ms. So FP8 keeps the bf16
-# tiles and the bf16 widening; fp16 dots stay an opt-in (tiles={"F16_DOT": True}).
+# FP8 experts, measured on an H200 (`python bench/step_bound.py --fp8-variants`: the MoE op alone at B = 8
+# commit+denoise, 256 experts; bf16 0.597 ms; bench/results/step_bound_h200_fp8_variants_2026-11-30.txt): the bf16
+# tile table with e4m3 widened to bf16 in registers 0.531 ms (1.13x faster than bf16), the same tiles on fp16 dots
+# (moe.py `_row_scale`) 0.581 ms, the K-256 tiles of the tile sweep on fp16 dots 0.850 ms and widened to bf16
+# 1.020 ms. So FP8 keeps the bf16 tiles and the bf16 widening; fp16 dots stay an opt-in (tiles={"F16_DOT": True}).
 FP8_F16_DOT = False
 MOE_TILES_FP8 = MOE_TILES
 # w8a8 (moe.py `act_quant_kernel` + e4m3 x e4m3 dots, as vLLM's fused MoE): the weights go to the MMA as stored,
 # nothing is widened in the inner loop; the activations get one fp32 scale per row. Opt-in (tiles={"A8": True})
-# until the H200 measures it (bench/step_bound.py --fp8-variants) and its token agreement.
+# until measured on a GPU (bench/step_bound.py --fp8-variants), token agreement included.
 FP8_W8A8 = False
 
 

@@ -1,4 +1,4 @@
-"""The glue between the custom ops, fused (issue 15: RMSNorm + residual, q/k-norm + RoPE, gated RMSNorm,
+"""The glue between the custom ops, fused (RMSNorm + residual, q/k-norm + RoPE, gated RMSNorm,
 attention's output gate, the shared expert's SwiGLU and its gated sum with the routed experts).
 
 Semantics are those of `clover_export.model.functional` (rms_norm, add_rms_norm, norm_rope,
