@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The default step shape, one value for every command and API (export, build, the memory plan, the runtime,
+# the server); STEP_GRAPH.md 1: T = C + N rows per batch row.
+PREFILL_CHUNK = 256  # C of a prefill step: the causal rows the prefill profile takes and the runtime feeds a step
+MAX_BATCH = 8  # batch rows: the profiles' largest batch, the server's continuous batch (runtime slots)
+
 
 @dataclass(frozen=True)
 class StepShape:
