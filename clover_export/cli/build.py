@@ -35,11 +35,13 @@ def gpu_plans(facts) -> dict:
     from importlib import resources
 
     from clover_export.core.config import config_from_dict
+    from clover_export.core.step_shape import PREFILL_CHUNK
     from clover_export.tensorrt.memory_plan import plan_memory
 
     cfg = config_from_dict(_json.loads(resources.files("clover_export").joinpath("data/clover_35b_a3b_config.json").read_text()))
     mem = facts.gpus[0]["memory"]
-    return {p: plan_memory(cfg, p, 1, cfg.max_context, 256, mem).max_batch_that_fits() for p in ("bf16", "fp8")}
+    return {p: plan_memory(cfg, p, 1, cfg.max_context, PREFILL_CHUNK, mem).max_batch_that_fits()
+            for p in ("bf16", "fp8")}
 
 
 def plans_lines(plans: dict) -> list[str]:

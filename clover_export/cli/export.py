@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from clover_export.artifact.manifest import COPY_BELOW, WEIGHT_MODES
+from clover_export.core.step_shape import MAX_BATCH, PREFILL_CHUNK
 
 
 def _mib(n: int) -> str:
@@ -27,8 +28,8 @@ def _mib(n: int) -> str:
                    "weights.json (zero copy, ONNX Runtime through clover_export's loader only: no model.trt.onnx). "
                    "copy: a self-contained folder every tool loads. See docs/exports.md.")
 @click.option("--block-size", type=int, default=None, help="Block rows per step (default: the config's block_size).")
-@click.option("--chunk", type=int, default=256, show_default=True, help="Causal rows of the prefill profile.")
-@click.option("--max-batch", type=int, default=8, show_default=True, help="Largest batch of the profiles.")
+@click.option("--chunk", type=int, default=PREFILL_CHUNK, show_default=True, help="Causal rows of the prefill profile.")
+@click.option("--max-batch", type=int, default=MAX_BATCH, show_default=True, help="Largest batch of the profiles.")
 @click.option("--slots", type=int, default=None, help="Cache slots per pool in the profiles (default: --max-batch).")
 @click.option("--max-len", type=int, default=None, help="Pool length L in the profiles (default: max_context).")
 @click.option("--allow-qwen", is_flag=True, help="Accept a plain Qwen3.5-MoE checkpoint (block-mixer tensors zero-filled).")

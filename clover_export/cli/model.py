@@ -9,6 +9,7 @@ import click
 
 from clover_export.core.atomic import atomic_write
 from clover_export.core.errors import CloverError
+from clover_export.core.step_shape import PREFILL_CHUNK
 
 MODEL_ARG = click.argument("model", required=False, default=None)
 
@@ -64,7 +65,7 @@ def info(model, context, max_batch, gpu_memory, as_json):
     from clover_export.tensorrt.memory_plan import plan_memory
 
     gpu = gpu_memory_bytes(BuildOptions(gpu_memory_gib=gpu_memory))
-    plans = [plan_memory(cfg, p, max_batch, ctx, 256, gpu) for p in ("bf16", "fp8")]
+    plans = [plan_memory(cfg, p, max_batch, ctx, PREFILL_CHUNK, gpu) for p in ("bf16", "fp8")]
     report["memory_plans"] = [p.to_dict() for p in plans]
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from clover_export.core.errors import CloverError
+from clover_export.core.step_shape import MAX_BATCH
 from clover_export.serve.engine import shutting_down
 
 
@@ -23,7 +24,7 @@ from clover_export.serve.engine import shutting_down
                    "Default: ort for an artifact folder (it has manifest.json), torch otherwise.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--max-batch", type=click.IntRange(min=1), default=MAX_BATCH, show_default=True,
               help="Requests decoding together in the continuous batch (runtime slots).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests waiting for a slot; past it the server answers 503 with Retry-After.")

@@ -30,14 +30,12 @@ from clover_export.core import names
 from clover_export.core.checkpoint import locate_tensors, plan_tensors
 from clover_export.core.config import CloverConfig, load_config
 from clover_export.core.errors import CloverError
+from clover_export.core.step_shape import MAX_BATCH, PREFILL_CHUNK
 from clover_export.exporter.trace import BATCH, IR_VERSION, OPSET, POOL_LEN, SLOTS, STEP_LEN, trace_step
 from clover_export.exporter.trt_graph import TRT_GRAPH, write_trt_graph
 from clover_export.exporter.weights import WeightReport, WeightWriter, shard_bytes
 from clover_export.model.loading import parse_dtype, resolve_model_dir
 from clover_export.plugins import contracts
-
-DEFAULT_CHUNK = 256
-DEFAULT_MAX_BATCH = 8
 
 
 @dataclass
@@ -91,8 +89,8 @@ def export(
     dtype: str = "bf16",
     weights: str = "link",
     block_size: int | None = None,
-    chunk: int = DEFAULT_CHUNK,
-    max_batch: int = DEFAULT_MAX_BATCH,
+    chunk: int = PREFILL_CHUNK,
+    max_batch: int = MAX_BATCH,
     slots: int | None = None,
     max_len: int | None = None,
     allow_qwen: bool = False,

@@ -39,6 +39,7 @@ from typing import Any, Iterable
 from clover_export.backends import Backend, default_backend, open_backend
 from clover_export.core.errors import CloverError
 from clover_export.core.generation import GenerationSettings, load_generation_settings
+from clover_export.core.step_shape import PREFILL_CHUNK
 from clover_export.model.tokenizer import ChatTokenizer
 from clover_export.runtime.loop import BlockEvent, Loop
 from clover_export.runtime.output import Result, StreamChunk, TextTracker
@@ -150,7 +151,7 @@ class Generator:
     """A loaded backend plus tokenizer, generation defaults, scheduler and runner."""
 
     def __init__(self, backend: Backend, source_dir: str | Path, *, max_slots: int = 4,
-                 max_context: int | None = None, prefill_chunk: int = 256, fold_commit: bool = True,
+                 max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, fold_commit: bool = True,
                  early_stop: bool = True, prefix_cache: bool = True, prefix_cache_gb: float = DEFAULT_BUDGET_GB):
         cfg = backend.cfg
         self.backend, self.cfg = backend, cfg
@@ -180,7 +181,7 @@ class Generator:
 
     @classmethod
     def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
-             max_slots: int = 4, max_context: int | None = None, prefill_chunk: int = 256,
+             max_slots: int = 4, max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
              fold_commit: bool = True, early_stop: bool = True, prefix_cache: bool = True,
              prefix_cache_gb: float = DEFAULT_BUDGET_GB, **backend_options: Any) -> "Generator":
         """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once.
@@ -230,7 +231,8 @@ class Generator:
             raise CloverError("generate", "the prompt is empty")
         bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
         if bad:
-            raise CloverError("generate", f"prompt token id {bad[0]} is outside the vocabulary (size {self.cfg.vocab_size})")
+            raise CloverError("generate",
+                              f"prompt token id {bad[0]} is outside the vocabulary (size {self.cfg.vocab_size})")
         return ids
 
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
-from clover_export.core.step_shape import StepShape
+from clover_export.core.step_shape import PREFILL_CHUNK, StepShape
 from clover_export.runtime.request import Phase, Request
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class StepPlan:
 class Scheduler:
     """Slots, admission, per-step layout and state transitions."""
 
-    def __init__(self, num_slots: int, block_size: int, prefill_chunk: int = 256,
+    def __init__(self, num_slots: int, block_size: int, prefill_chunk: int = PREFILL_CHUNK,
                  fold_commit: bool = True, early_stop: bool = True, shapes: list[StepShape] | None = None,
                  cache: "PrefixCache | None" = None):
         if prefill_chunk < 1:

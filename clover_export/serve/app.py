@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from clover_export.core.errors import CloverError
+from clover_export.core.step_shape import MAX_BATCH
 from clover_export.serve import adapter, protocol
 from clover_export.serve.engine import Engine, Event, Full, Job
 from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -46,7 +47,7 @@ class ServeOptions:
     dtype: str = "auto"
     device: str | None = None
     block_size: int | None = None
-    max_batch: int = 8  # rows in the continuous batch (runtime slots)
+    max_batch: int = MAX_BATCH  # rows in the continuous batch (runtime slots)
     max_queue: int = 64  # requests waiting for a row before 503
     served_model_name: str | None = None
     max_body_bytes: int = 4 << 20
