@@ -2,7 +2,8 @@
 
 Ray Serve does the routing and autoscaling; each replica runs the app's
 lifespan, so it owns one engine (on one GPU where the cluster has GPUs, on
-CPUs elsewhere). Three ways in:
+CPUs elsewhere); a replica whose engine stopped fails Ray's health check
+(`check_health`) and is replaced. Three ways in:
 
 - `clover-export serve --replicas N`: a local Ray instance on this machine.
 - `serve run clover_export/serve/ray_serve.yaml`: the config for a cluster
@@ -58,9 +59,26 @@ def deployment(opts: ServeOptions, replicas: int | None = None, num_gpus: float 
                       max_ongoing_requests=opts.max_batch + opts.max_queue, **scaling)
     @serve.ingress(app)
     class CloverServer:
-        pass
+        def check_health(self) -> None:
+            """Ray Serve's periodic health check (`health_check_period_s`): a replica that raises here is
+            replaced by a fresh one. `self.app` is this replica's copy of the app, whose lifespan started
+            its engine."""
+            check_engine(self.app)
 
     return CloverServer.bind()
+
+
+def check_engine(app) -> None:
+    """Raise when the replica's engine can no longer serve: it failed to load, or its thread stopped (a fault
+    no request could be blamed for, serve/engine.py; or a shutdown). Before the app's lifespan has started
+    an engine there is nothing to judge."""
+    engine = getattr(app.state, "engine", None)
+    if engine is None:
+        return
+    if engine.load_error:
+        raise RuntimeError(f"the engine failed to load: {engine.load_error}")
+    if engine.stopped.is_set():
+        raise RuntimeError(f"the engine stopped ({engine.died or 'shut down'})")
 
 
 def app_builder(args: dict[str, Any]):
