@@ -3,7 +3,7 @@
     clover-export build --out build/tiny --max-batch 2          # once (fp8 is the default precision)
     python bench/fp8_scale_sensitivity.py build/tiny [1 10 0.1 100 1000 ...]
 
-Re-quantises the build's onnx-fp32 with the calibrated amax times each factor and prints top-1
+Re-quantizes the build's onnx-fp32 with the calibrated amax times each factor and prints top-1
 agreement and logit error against onnx-fp32 on the held-out prompts (the figures the FP8 gate and
 tests/test_fp8_graph.py's trained-default thresholds are set from). Writes only to a temporary folder.
 """

@@ -185,7 +185,7 @@ def test_fp8_weights_written_once_and_shared(resumed):
     assert bins[0].stat().st_size == index["bytes_written"]
 
 
-def test_fp8_graph_from_shared_weights_matches_the_per_graph_quantisation(resumed, tmp_path):
+def test_fp8_graph_from_shared_weights_matches_the_per_graph_quantization(resumed, tmp_path):
     """The fp32-activation FP8 graph built from the shared file computes what a stand-alone rewrite computes."""
     from clover_export.artifact.manifest import load_artifact
     from clover_export.exporter.session import ort_session
@@ -302,7 +302,7 @@ def test_layer_streamed_calibration_equals_whole_model_calibration(model):
     got = calibrate(model, prompt_batch(model, BUILTIN_PROMPTS[:4], 8), 8, model=streamed)
     assert len(loads) == 2 * len(streamed.model.layers)  # two passes over the weights: prefill, denoise
     assert len(heads) == 1 and "logits" not in vars(streamed)  # the denoise step's logits are not computed
-    # ... unless the lm_head is quantised too: then both steps' inputs to it count
+    # ... unless the lm_head is quantized too: then both steps' inputs to it count
     from clover_export.model.loading import load_model
 
     whole_model, seen_head = load_model(model, torch.float32, block_size=8), []
@@ -410,7 +410,7 @@ def test_streamed_layers_hold_one_layer_at_a_time(model):
     assert all(len(r) == 1 for r in during)
 
 
-# --- quantisation ---------------------------------------------------------------------------
+# --- quantization ---------------------------------------------------------------------------
 def test_zero_and_constant_tensors_get_finite_scales(tmp_path):
     from safetensors.torch import save_file
 
@@ -565,7 +565,7 @@ def test_ctrl_c_in_the_cli_says_how_to_continue(monkeypatch, tmp_path):
     assert "interrupted" in r.output and "run the same command again" in r.output and "Traceback" not in r.output
 
 
-def test_sparse_holes_quantise_to_zeros_without_reading(tmp_path, monkeypatch):
+def test_sparse_holes_quantize_to_zeros_without_reading(tmp_path, monkeypatch):
     """A sparse shard (header, then a hole): SEEK_DATA says hole, nothing is read, q = 0 and scales 1."""
     import struct
 

@@ -313,7 +313,7 @@ def test_activation_scales_are_amax_over_448_of_the_fp32_graphs_own_activations(
         assert report.activations[x] == pytest.approx(got, rel=1e-6)
 
 
-def test_lm_head_quantised_on_request(random_fp8, tmp_path):
+def test_lm_head_quantized_on_request(random_fp8, tmp_path):
     """include_lm_head: the lm_head becomes e4m3 + scales with its input's calibrated scale; `check` passes.
     (It was silently left out before: the lm_head's name does not end in "proj.weight".)"""
     model, fp32_dir, _, _ = random_fp8
