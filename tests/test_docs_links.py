@@ -67,6 +67,30 @@ def broken_links(doc: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
+PATH_IN_CODE = re.compile(r"^[\w.-]+(/[\w.-]+)+\.(py|md|sh|yaml|json|txt|csv|log|jinja)$")
+
+
+def stale_paths(doc: Path, root: Path = ROOT) -> list[str]:
+    """Paths named in code spans (`clover_export/pipeline/build.py`, `tensorrt/builder.py`, `results/x.json`)
+    whose first folder is one of ours (the repository's, the package's or the doc's own) but that name no file
+    there: what a moved module leaves behind. Other paths (an upstream project's) are not ours to check."""
+    bases = (doc.parent, root, root / "clover_export")
+    stale = []
+    for tok in inline_tokens(doc.read_text()):
+        if tok.type != "code_inline":
+            continue
+        for word in re.split(r"[\s:,()]+", tok.content):
+            if PATH_IN_CODE.match(word) and any((b / word.split("/")[0]).is_dir() for b in bases):
+                if not any((b / word).exists() for b in bases):
+                    stale.append(word)
+    return stale
+
+
+@pytest.mark.parametrize("name", DOCS)
+def test_every_repository_path_named_in_code_exists(name):
+    assert stale_paths(ROOT / name) == [], f"{name}: paths that name no file"
+
+
 @pytest.mark.parametrize("name", DOCS)
 def test_every_relative_link_resolves(name):
     doc = ROOT / name
@@ -84,3 +108,12 @@ def test_the_checker_finds_a_missing_file_a_missing_heading_and_a_way_out(tmp_pa
     assert broken_links(doc, tmp_path) == ["docs/c.md: no such file", "docs/b.md#three: no heading #three in docs/b.md",
                                  "../outside.md: outside the repository",
                                  "docs/b.md#two-2: no heading #two-2 in docs/b.md"]
+
+
+def test_a_moved_module_is_a_stale_path_and_an_upstream_one_is_not(tmp_path):
+    (tmp_path / "clover_export" / "pipeline").mkdir(parents=True)
+    (tmp_path / "clover_export" / "pipeline" / "build.py").touch()
+    doc = tmp_path / "a.md"
+    doc.write_text("`pipeline/build.py`, `clover_export/pipeline/build.py: check_inputs`, `python/pkg/x.py` are fine;\n"
+                   "`engines/build.py` is no folder of ours; `pipeline/gone.py` (`clover_export/pipeline/old.py`)\n")
+    assert stale_paths(doc, tmp_path) == ["pipeline/gone.py", "clover_export/pipeline/old.py"]
