@@ -58,8 +58,8 @@ def test_second_build_reuses_everything(built):
 
 @pytest.mark.slow
 def test_fp8_below_the_gate_fails_the_build_before_the_engine_stage(built, monkeypatch):
-    """Regression (issue 10): below FP8_MIN_AGREEMENT the build used to print a WARNING and go on to the
-    engine stage. Now it fails with the figures, measured (API) or reused from build.json (CLI)."""
+    """Below FP8_MIN_AGREEMENT the build fails before the engine stage (not a warning), with the figures,
+    measured (API) or reused from build.json (CLI)."""
     from clover_export.core.errors import CloverError
     from clover_export.pipeline import build as B
     from clover_export.quantize import calibration
@@ -97,7 +97,7 @@ def test_changed_option_rebuilds_what_depends_on_it(built, tmp_path):
 
 
 def test_require_engine_fails_plainly_without_tensorrt(tmp_path):
-    """Checked before any work (issue 10): no export, no folder, the reason on one line."""
+    """Checked before any work: no export, no folder, the reason on one line."""
     if tensorrt_version() is not None:
         pytest.skip("TensorRT is installed here")
     r = run("build", "--out", str(tmp_path / "b"), "--precision", "bf16", "--require-engine", "--max-batch", "1")

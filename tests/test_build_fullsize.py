@@ -1,4 +1,4 @@
-"""`build` at the real model's size, on small models (issue 11): no fp32 weight copy, FP8 weights written
+"""`build` at the real model's size, on small models: no fp32 weight copy, FP8 weights written
 once and shared, full-width slice validation, layer-streamed calibration, the disk plan, resume after Ctrl-C.
 
 One fp8 build of a random 4-layer tiny (bf16 checkpoint, slice validation) is interrupted inside the FP8

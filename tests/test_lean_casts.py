@@ -1,4 +1,4 @@
-"""What ONNX Runtime runs of an fp32 graph of a bf16 checkpoint (exporter.lean_casts, issue 11).
+"""What ONNX Runtime runs of an fp32 graph of a bf16 checkpoint (exporter.lean_casts).
 
 The reference is the graph as exported, run by ONNX Runtime straight from its file: the lean copy that
 `ort_session` runs must give the same outputs, and must no longer cast the embedding table or the
@@ -93,7 +93,7 @@ def test_graphs_without_fp32_weight_casts_are_left_alone(bf16_per_expert):
 
 
 def test_slices_of_a_per_expert_checkpoint_feed_the_fused_experts_and_pass(bf16_per_expert, tmp_path):
-    """Slice validation (issue 11) on the real checkpoint's layout: the lm_head (fp32) and each layer's fused
+    """Slice validation on the real checkpoint's layout: the lm_head (fp32) and each layer's fused
     bf16 experts are prepared once and fed to ONNX Runtime; the reference reuses them; both agree."""
     from clover_export.core.checkpoint import locate_tensors, plan_tensors
     from clover_export.core.config import load_config

@@ -1,6 +1,6 @@
 """The fp32 export on ONNX Runtime against the torch backend on a checkpoint with trained-like GDN layers.
 
-Issue 10 / STEP_GRAPH.md 2: keys sharing a direction, slow decay and beta
+STEP_GRAPH.md 2: keys sharing a direction, slow decay and beta
 near 1 (tests/trained_like.py) with a prompt of several hundred tokens, so
 that prefill runs full 256-row chunks through the BlockGDN function body.
 With the nilpotent product-series inverse the ONNX Runtime tokens differ from

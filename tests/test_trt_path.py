@@ -1,4 +1,4 @@
-"""The TensorRT path without TensorRT (issue 14; STEP_GRAPH.md 2, 4).
+"""The TensorRT path without TensorRT (STEP_GRAPH.md 2, 4).
 
 Everything that decides what TensorRT gets is checked here on the CPU: the
 graph it parses (`model.trt.onnx`: no functions, the MoE split into AOT

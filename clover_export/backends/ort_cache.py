@@ -1,4 +1,4 @@
-"""ONNX Runtime straight from a model folder (issue 16; optimum's `export=True`).
+"""ONNX Runtime straight from a model folder (optimum's `export=True`).
 
 `Generator.load(MODEL, backend="ort")` / `generate MODEL --backend ort` on a
 model folder (or `tiny`) exports its fp32 step graph into the cache folder
