@@ -331,48 +331,109 @@ def test_random_conversation_trees_and_eviction_orders(backend, reference, data)
 
 
 # ------------------------------------------------------------------ the other backends
-def backend_case(name: str) -> dict:
-    """Cache on and off on one backend: a conversation's next turn, a fork, an identical prompt, a batch."""
+def test_ort_backend_gives_the_same_tokens_with_the_cache():
+    """A conversation's next turn, a fork and an identical prompt (batched) on the exported graph, on vs off."""
     from clover_export.runtime import Generator
 
-    opts = dict(device="cpu", dtype="fp32") if name == "triton" else {}
-    be = Generator.load(None, backend=name, max_slots=2, prefill_chunk=16, **opts).backend
+    be = Generator.load(None, backend="ort", max_slots=2, prefill_chunk=16).backend
     N = be.block_size
     kw = dict(max_new_tokens=N + 4, ignore_eos=True, threshold=0.5)
     out = {}
     for on in (False, True):  # one after the other: an ORT backend's pool sets belong to one generator
         gen = Generator(be, be.source_dir, max_slots=2, prefill_chunk=16, prefix_cache=on)
-        base = gen.prompt_ids(
-            messages=[{"role": "system", "content": SYSTEM[:60]}, {"role": "user", "content": "sort 3 1"}],
-            enable_thinking=False,
-        )
+        base = chat(gen, [{"role": "system", "content": SYSTEM[:60]}, {"role": "user", "content": "sort 3 1"}])
         first = gen.generate(prompt_ids=base, **kw)
         prompts = [base + first.token_ids + [30, 31, 32], base[:-6] + [40, 41], list(base)]
         results = [first] + gen.wait([gen.submit(prompt_ids=p, **kw) for p in prompts])
         out[on] = [(r.token_ids, r.cached_tokens) for r in results]
-    return {"off": out[False], "on": out[True], "N": N, "base": len(base)}
+    assert [t for t, _ in out[True]] == [t for t, _ in out[False]]
+    assert [c for _, c in out[False]] == [0] * 4
+    cached = [c for _, c in out[True]]
+    assert cached[0] == 0 and cached[1] == len(base) + N and 0 < cached[2] <= len(base) - 6 and cached[3] == len(base)
 
 
-def check_backend_case(got):
-    N, base = got["N"], got["base"]
-    assert [t for t, _ in got["on"]] == [t for t, _ in got["off"]]
-    assert [c for _, c in got["off"]] == [0] * 4
-    cached = [c for _, c in got["on"]]
-    assert cached[0] == 0 and cached[1] == base + N and 0 < cached[2] <= base - 6 and cached[3] == base
+def triton_case(prompt: list[int], edited: list[int], chunk: int) -> dict:
+    """On the kernels: a prompt, then one forked from its snapshot at the first chunk end (K/V rows copied
+    into another slot, GDN states restored); three steps, the interpreter being slow."""
+    from clover_export.runtime import Generator
+
+    gen = Generator.load(None, backend="triton", device="cpu", dtype="fp32", max_slots=2, prefill_chunk=chunk)
+    a = gen.submit(prompt_ids=prompt, max_new_tokens=8, threshold=0.1)
+    a.wait()
+    b = gen.submit(prompt_ids=edited, max_new_tokens=8, threshold=0.1)
+    b.wait()
+    return {"tokens": [a.result.token_ids, b.result.token_ids], "cached": [a.result.cached_tokens, b.result.cached_tokens],
+            "slots": [a.request.slot, b.request.slot]}
 
 
-def test_ort_backend_gives_the_same_tokens_with_the_cache():
-    check_backend_case(backend_case("ort"))
-
-
-def test_triton_backend_gives_the_same_tokens_with_the_cache():
-    """The kernels under TRITON_INTERPRET=1, set before triton is imported: in a child process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = ("import json, sys; sys.path.insert(0, %r); import test_prefix_cache as t; "
-            "print('RESULT', json.dumps(t.backend_case('triton')))" % os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+@pytest.mark.slow
+def test_triton_backend_gives_the_same_tokens_with_the_cache(backend):
+    """The kernels under TRITON_INTERPRET=1 (set before triton is imported: a child process) against the torch
+    backend with the cache off (test_runtime_triton.py: the two backends give the same tokens)."""
     import json
 
-    check_backend_case(json.loads(line[0][7:]))
+    off = make(backend, prefix_cache=False, max_slots=1)
+    prompt = chat(off, [{"role": "user", "content": "sort 3 1"}])
+    edited, chunk = prompt[:-1] + [prompt[-1] + 1], len(prompt) - 2
+    want = [off.generate(prompt_ids=p, max_new_tokens=8, threshold=0.1).token_ids for p in (prompt, edited)]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = ("import json, sys; sys.path.insert(0, %r); import test_prefix_cache as t; "
+            "print('RESULT', json.dumps(t.triton_case(%r, %r, %d)))" % (os.path.dirname(__file__), prompt, edited, chunk))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    got = json.loads(line[0][7:])
+    assert got["tokens"] == want and got["cached"] == [0, chunk] and got["slots"][0] != got["slots"][1]
+
+
+# ------------------------------------------------------------------ the server
+def test_server_reports_cached_tokens_and_the_cache_figures(tiny_dir):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from clover_export.serve.app import ServeOptions, build_app
+    from test_serve import ThreadServer
+
+    body = {"model": "clover-tiny", "max_tokens": 20,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "sort 3 1 2"}]}
+    for on in (True, False):
+        with ThreadServer(build_app(ServeOptions(max_batch=2, prefix_cache=on))) as srv:
+            srv.wait_healthy()
+            outs = [httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).json() for _ in range(2)]
+            streamed = [line for line in httpx.post(
+                srv.url + "/v1/chat/completions", timeout=120,
+                json={**body, "stream": True, "stream_options": {"include_usage": True}}).text.splitlines()
+                if line.startswith("data: {")][-1]
+            text = httpx.get(srv.url + "/metrics").text
+            cache = srv.app.state.engine.gen.prefix_cache
+        figures = {s.name + str(s.labels.get("kind", "")): s.value
+                   for fam in text_string_to_metric_families(text) for s in fam.samples}
+        prompt = outs[0]["usage"]["prompt_tokens"]
+        cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
+        cached.append(__import__("json").loads(streamed[6:])["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert outs[0]["choices"][0]["message"] == outs[1]["choices"][0]["message"]
+        if not on:
+            assert cache is None and cached == [0, 0, 0] and figures["clover_prefix_cache_bytessnapshots"] == 0
+            continue
+        assert cached[0] < prompt and cached[1:] == [prompt, prompt]
+        assert figures["clover_prompt_tokens_cached_total"] == sum(cached)
+        assert figures["clover_prefix_cache_hit_rate"] == pytest.approx(cache.hit_rate()) and 0 < cache.hit_rate() < 1
+        assert figures["clover_prefix_cache_bytessnapshots"] == cache.snapshot_bytes > 0
+        assert figures["clover_prefix_cache_bytesparked"] > 0
+        assert figures["clover_prefix_cache_budget_bytes"] == 4 * 2**30
+
+
+def test_serve_command_passes_the_cache_options(monkeypatch):
+    from click.testing import CliRunner
+
+    import clover_export.cli.serve as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_check_port", lambda host, port: None)
+    monkeypatch.setattr(cli, "_run_uvicorn", lambda opts, *a: seen.append(opts))
+    for args, want in (([], (True, None)), (["--no-prefix-cache"], (False, None)),
+                       (["--prefix-cache-gb", "0.5"], (True, 0.5))):
+        result = CliRunner().invoke(cli.serve, args)
+        assert result.exit_code == 0, result.output
+        assert (seen[-1].prefix_cache, seen[-1].prefix_cache_gb) == want
+    assert CliRunner().invoke(cli.serve, ["--prefix-cache-gb", "-1"]).exit_code == 2

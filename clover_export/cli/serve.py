@@ -54,10 +54,16 @@ from clover_export.serve.engine import shutting_down
               help="torch/triton backends: dtype.")
 @click.option("--device", default=None,
               help="torch/triton backends: device (default: cuda if available, else cpu).")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Resume requests from earlier requests' caches where their prompts start the same "
+                   "(docs/prefix_cache.md); usage.prompt_tokens_details.cached_tokens says how many tokens.")
+@click.option("--prefix-cache-gb", type=click.FloatRange(min=0), default=None,
+              help="Memory for the prefix cache's GDN state snapshots, beyond the cache pools "
+                   "[default: 4]; finished sequences also stay in idle slots until a request needs one.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 def serve(model, backend, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
           request_timeout, drain_timeout, block_size, dtype, device, log_level, api_key, protect_metrics,
-          allowed_origins):
+          allowed_origins, prefix_cache, prefix_cache_gb):
     """Serve MODEL over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
     MODEL is a model folder, an exported artifact (ort), an engine (trt), or
@@ -77,7 +83,8 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
                         max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
                         api_key=api_key or None, protect_metrics=protect_metrics,
                         allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
-                        max_body_bytes=max_body_bytes, request_timeout_s=request_timeout)
+                        max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
+                        prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb)
     if model not in (None, "tiny") and not Path(model).exists():
         raise CloverError(
             "serve",

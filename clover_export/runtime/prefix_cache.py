@@ -52,6 +52,8 @@ class Device(Protocol):
 
     def save_state(self, slot: int) -> tuple[Any, int]: ...  # (copy of the slot's GDN states, its bytes)
 
+    def sequence_bytes(self) -> tuple[int, int]: ...  # (bytes per cached token, fixed bytes) of a slot
+
 
 class TokenRun:
     """Tokens plus a chained hash of each whole run of HASH_RUN tokens: common prefix lengths in
@@ -161,6 +163,15 @@ class PrefixCache:
 
     def hit_rate(self) -> float:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def figures(self) -> dict[str, float]:
+        """Hit rate (reused / prompt tokens of placed requests), snapshot bytes (memory beyond the pools) and
+        the bytes of parked sequences (K/V rows and states in idle slots of the pools)."""
+        per_token, fixed = self.device.sequence_bytes()
+        parked = sum(len(e.seq) * per_token + fixed for e in self.parked())
+        return {"hit_rate": self.hit_rate(), "snapshot_bytes": self.snapshot_bytes, "parked_bytes": parked,
+                "budget_bytes": self.budget_bytes, "parked_sequences": len(self.parked()),
+                "snapshots": len(self.snaps)}
 
     def _tick(self) -> int:
         self._clock += 1

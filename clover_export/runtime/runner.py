@@ -96,6 +96,18 @@ class Runner:
             self.generators[s] = None
 
     # --- prefix reuse (runtime/prefix_cache.py) --------------------------------------------
+    def sequence_bytes(self) -> tuple[int, int]:
+        """(bytes per cached token, fixed bytes) of one slot's caches: K/V rows; GDN states (+ logits_shift row)."""
+        per_token = fixed = 0
+        for name, pool in self.pools.items():
+            if name.endswith(KV_POOLS):
+                per_token += pool[0, :, 0].numel() * pool.element_size()
+            else:
+                fixed += pool[0].numel() * pool.element_size()
+        if self.last_row is not None:
+            fixed += self.last_row[0].numel() * self.last_row.element_size()
+        return per_token, fixed
+
     @torch.inference_mode()
     def save_state(self, slot: int) -> tuple[dict[str, torch.Tensor], int]:
         """A copy of the slot's GDN states (and logits_shift row): what resuming after its `past_len`

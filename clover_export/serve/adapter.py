@@ -247,9 +247,11 @@ def _partial_suffix(s: str, marker: str) -> int:
     return 0
 
 
-def usage(res) -> dict[str, int]:
+def usage(res) -> dict[str, Any]:
+    """OpenAI usage; `prompt_tokens_details.cached_tokens`: prompt tokens resumed from the prefix cache."""
     return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.response_tokens,
-            "total_tokens": res.prompt_tokens + res.response_tokens}
+            "total_tokens": res.prompt_tokens + res.response_tokens,
+            "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
 
 
 def clover_stats(res) -> dict[str, float]:

@@ -56,6 +56,8 @@ class ServeOptions:
     api_key: str | None = None  # Bearer key required on /v1/* (SERVING.md 5)
     protect_metrics: bool = False  # /metrics needs the key too
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
+    prefix_cache: bool = True  # reuse earlier requests' caches (docs/prefix_cache.md)
+    prefix_cache_gb: float | None = None  # snapshot memory of the prefix cache; None: the runtime's default
 
     @property
     def model_id(self) -> str:
@@ -71,7 +73,10 @@ class ServeOptions:
         opts: dict[str, Any] = {}
         if backend in ("torch", "triton"):
             opts = dict(dtype=self.dtype, device=self.device, block_size=self.block_size)
-        return Generator.load(self.model, backend=backend, max_slots=self.max_batch, **opts)
+        if self.prefix_cache_gb is not None:
+            opts["prefix_cache_gb"] = self.prefix_cache_gb
+        return Generator.load(self.model, backend=backend, max_slots=self.max_batch, prefix_cache=self.prefix_cache,
+                              **opts)
 
 
 def build_app(options: ServeOptions) -> FastAPI:
@@ -163,6 +168,7 @@ def _routes(app: FastAPI) -> None:
         running, waiting = eng.load_figures()
         m.running_rows.set(running)
         m.queue_depth.set(waiting)
+        m.cache(eng.gen.prefix_cache if eng.gen is not None else None)
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
 

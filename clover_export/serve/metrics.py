@@ -2,7 +2,9 @@
 
 Per request: status, time to first block, end-to-end latency, tokens, and
 the dLLM figures (denoise steps, tokens per forward, distinct experts per
-block, DECODING.md 4). Per engine step: step time, running rows, queue depth.
+block, DECODING.md 4), prompt tokens resumed from the prefix cache. Per
+engine step: step time, running rows, queue depth. At each scrape: the
+prefix cache's hit rate and bytes (docs/prefix_cache.md).
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ class Metrics:
                                           "mean kept-set size per denoise step (coreset)",
                                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.step_time = Histogram(PREFIX + "step_seconds", "engine step time", buckets=_LATENCY, registry=r)
+        self.cached_tokens = Counter(PREFIX + "prompt_tokens_cached",
+                                     "prompt tokens of finished requests resumed from the prefix cache", registry=r)
+        self.cache_hit_rate = Gauge(PREFIX + "prefix_cache_hit_rate",
+                                    "prompt tokens resumed from the prefix cache / prompt tokens of placed requests, "
+                                    "since start", registry=r)
+        self.cache_bytes = Gauge(PREFIX + "prefix_cache_bytes",
+                                 "prefix cache: snapshots (memory beyond the pools, within the budget) and parked "
+                                 "(K/V rows and GDN states of finished sequences kept in idle slots)", ["kind"],
+                                 registry=r)
+        self.cache_budget = Gauge(PREFIX + "prefix_cache_budget_bytes", "prefix cache snapshot budget", registry=r)
 
     def step(self, seconds: float, running: int, waiting: int) -> None:
         self.step_time.observe(seconds)
@@ -57,11 +69,20 @@ class Metrics:
             self.time_to_first_block.observe(job.first_block - job.submitted)
         self.latency.observe(time.perf_counter() - job.submitted)
         self.prompt_tokens.inc(result.prompt_tokens)
+        self.cached_tokens.inc(result.cached_tokens)
         self.generated_tokens.inc(result.response_tokens)
         self.denoise_steps.inc(result.denoise_steps)
         if result.denoise_steps:
             self.tokens_per_forward.observe(result.tokens_per_forward)
             self.distinct_experts.observe(result.distinct_experts_per_block)
+
+    def cache(self, cache) -> None:
+        """The prefix cache's figures now (a PrefixCache, or None when it is off)."""
+        figures = cache.figures() if cache is not None else {}
+        self.cache_hit_rate.set(figures.get("hit_rate", 0.0))
+        self.cache_bytes.labels("snapshots").set(figures.get("snapshot_bytes", 0))
+        self.cache_bytes.labels("parked").set(figures.get("parked_bytes", 0))
+        self.cache_budget.set(figures.get("budget_bytes", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
