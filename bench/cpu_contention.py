@@ -7,7 +7,7 @@ The same greedy requests on the embedded default, each configuration in a
 fresh child process (so torch starts with its own default thread count):
   before  threads = every usable core (what torch's and ONNX Runtime's
           defaults gave before the thread policy; no OMP_NUM_THREADS);
-  after   the thread policy (runtime/threads.py; no OMP_NUM_THREADS, no --threads).
+  after   the thread policy (backends/threads.py; no OMP_NUM_THREADS, no --threads).
 Busy processes are pure-Python spin loops, started for a load level and
 stopped after it (each also stops itself after --busy-limit seconds).
 Printed: median step time per configuration and the slowdown against the

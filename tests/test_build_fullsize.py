@@ -97,7 +97,7 @@ def test_rerun_continues_from_the_finished_stages(resumed):
 
 
 def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model, resumed, tmp_path, monkeypatch):
-    """The FP8 weight file is written in a thread beside the CPU-bound stages (engines/background.py).
+    """The FP8 weight file is written in a thread beside the CPU-bound stages (pipeline/background.py).
     Interrupted mid-way by the build's own thread: nothing of it is left and the thread has stopped.
     Finished when a later stage fails: it is recorded, and the next run reuses it."""
     import threading
@@ -474,7 +474,7 @@ def test_disk_plan_counts_fp8_weights_once_and_reused_stages_as_zero(model, tmp_
 
 def test_bf16_export_runs_in_a_background_process(resumed):
     """At full size (slice validation) the bf16 export runs in a child process beside the build's own stages
-    and is collected after calibrating (engines/background.py); its graph is the one the FP8 stages use."""
+    and is collected after calibrating (pipeline/background.py); its graph is the one the FP8 stages use."""
     out, logs, _ = resumed
     assert "[export bf16] in a background process beside the stages below" in logs[0]
     text = "\n".join(logs[0])

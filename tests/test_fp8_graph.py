@@ -1,4 +1,4 @@
-"""The FP8 step graph (engines/fp8.py) and its `clover::CoresetMoEFP8` op (STEP_GRAPH.md 2, 4).
+"""The FP8 step graph (quantize/graph.py) and its `clover::CoresetMoEFP8` op (STEP_GRAPH.md 2, 4).
 
 A random tiny model is exported in fp32, calibrated and rewritten; the
 result must pass `check`, run in ONNX Runtime, carry exactly the e4m3 bytes

@@ -1,4 +1,4 @@
-"""The TensorRT-bound FP8 graph (`onnx-fp8-bf16`) is the measured `onnx-fp8` up to dtype (engines/fp8_twins.py).
+"""The TensorRT-bound FP8 graph (`onnx-fp8-bf16`) is the measured `onnx-fp8` up to dtype (verify/twins.py).
 
 The twins are made as `build` makes them (one calibration, both exports rewritten); each mutation
 below is a difference between them that ONNX Runtime cannot see (it only runs onnx-fp8), and must be caught.

@@ -342,7 +342,7 @@ def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
 
 @pytest.mark.slow
 def test_fp8_experts_read_from_an_fp8_artifact_are_its_e4m3_bytes_and_scales(tmp_path, monkeypatch):
-    """An artifact written by the FP8 rewrite (engines/fp8.py): the backend's experts are its e4m3 tensors,
+    """An artifact written by the FP8 rewrite (quantize/graph.py): the backend's experts are its e4m3 tensors,
     equal to quantize_weight of the source weights, with its scales."""
     import torch
 

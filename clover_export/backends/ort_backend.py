@@ -65,12 +65,12 @@ class OrtBackend:
         self.io = session.io_binding()
         self.spare: dict[str, torch.Tensor] | None = None  # the other pool set (present.* go there)
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.threads: int | None = None  # explicit thread count, else the policy of runtime/threads.py
+        self.threads: int | None = None  # explicit thread count, else the policy of backends/threads.py
 
     @classmethod
     def load(cls, artifact=None, *, providers: list | None = None, threads: int | None = None) -> "OrtBackend":
         """An exported artifact folder; or a model folder / None / "tiny", exported (fp32) into the cache
-        on first use (runtime/ort_cache.py). `threads`: intra-op threads (runtime/threads.py)."""
+        on first use (backends/ort_cache.py). `threads`: intra-op threads (backends/threads.py)."""
         try:
             from clover_export.exporter import load_artifact
             from clover_export.exporter.session import ort_session

@@ -64,7 +64,7 @@ class TorchBackend:
         self.max_context = model.cfg.max_context
         self.device = model.lm_head.weight.device
         self.source_dir = Path(source_dir) if source_dir is not None else None
-        self.threads = check_threads(threads)  # explicit CPU threads, else the policy of runtime/threads.py
+        self.threads = check_threads(threads)  # explicit CPU threads, else the policy of backends/threads.py
         self.row_flops = flops_per_row(self.cfg)
 
     @classmethod
@@ -81,7 +81,7 @@ class TorchBackend:
         return cls(ref, model_dir, threads=check_threads(threads))
 
     def thread_scope(self, rows: int):
-        """torch's CPU threads for a step of `rows` rows, the caller's count restored after (runtime/threads.py)."""
+        """torch's CPU threads for a step of `rows` rows, the caller's count restored after (backends/threads.py)."""
         n = torch_threads(self.threads, rows * self.row_flops) if self.device.type == "cpu" else None
         return torch_thread_scope(n)
 

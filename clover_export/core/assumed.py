@@ -77,7 +77,7 @@ def coreset_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     top_p of the total; always at least one expert.
 
     The boundary rule, one for torch, the ONNX body (`onnx_bodies.moe_body`)
-    and the Triton kernel (`triton/moe.py`), so that they keep the same set
+    and the Triton kernel (`plugins/triton/moe.py`), so that they keep the same set
     even at exact ties (MODEL.md 5.3 step 3 made precise):
     - A_e: fp32 sum of the positions' top-k probabilities (the order over
       positions is not pinned: where those sums round, implementations may

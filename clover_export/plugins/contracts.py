@@ -1,7 +1,7 @@
 """The custom ops, each described once (STEP_GRAPH.md 2, 4).
 
 The exported step graph uses three (`BlockGDN`, `BlockAttention`,
-`CoresetMoE`, the model's `Cores`); the FP8 graph (`engines/fp8.py`)
+`CoresetMoE`, the model's `Cores`); the FP8 graph (`quantize/graph.py`)
 replaces each `CoresetMoE` by `CoresetMoEFP8`, the same op on e4m3 expert
 weights with fp32 per-output-channel scales (`variant_of`).
 
@@ -69,7 +69,7 @@ class OpContract:
     outputs: tuple[TensorSpec, ...]
     aliases: dict[str, str] = field(default_factory=dict)  # output name -> input name
     doc: str = ""
-    variant_of: str = ""  # a quantized form of that op (the exporter emits the base op; engines/fp8.py rewrites)
+    variant_of: str = ""  # a quantized form of that op (the exporter emits the base op; quantize/graph.py rewrites)
     namespace: str = NAMESPACE
     version: str = PLUGIN_VERSION
 

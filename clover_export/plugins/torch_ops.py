@@ -77,7 +77,7 @@ def ops() -> dict[str, object]:
 def export_cores():
     """A `Cores` whose three functions are the custom ops (same argument order as the plain cores).
 
-    `clover::CoresetMoEFP8` is not among them: only the FP8 graph rewrite (`engines/fp8.py`) produces it.
+    `clover::CoresetMoEFP8` is not among them: only the FP8 graph rewrite (`quantize/graph.py`) produces it.
     """
     from clover_export.model.model import Cores
 

@@ -191,7 +191,7 @@ class Generator:
         block_size, allow_qwen plus fp8_experts, cuda_graphs, graph_batch_sizes,
         graph_causal_rows, eager_fallback; ort takes providers, threads (and a model
         folder or None, exported into the cache on first use). CPU threads follow
-        runtime/threads.py; the caller's torch.get_num_threads() is left as it was.
+        backends/threads.py; the caller's torch.get_num_threads() is left as it was.
         backend None: `backends.default_backend` (ort for an artifact, triton on a CUDA GPU
         without TensorRT, else torch). prefix_cache / prefix_cache_gb: see the module docstring.
         """

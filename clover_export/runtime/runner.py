@@ -165,7 +165,7 @@ class Runner:
         return K, ids, counts, think
 
     def thread_scope(self, plan: StepPlan):
-        """The backend's CPU thread setting for this step (runtime/threads.py), if it has one."""
+        """The backend's CPU thread setting for this step (backends/threads.py), if it has one."""
         scope = getattr(self.backend, "thread_scope", None)
         return scope(plan.batch * plan.width) if scope is not None else contextlib.nullcontext()
 

@@ -154,7 +154,7 @@ def _routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request):
         eng = request.app.state.engine
-        if eng.load_error or eng.died:  # the process exits non-zero (serve/cli.py)
+        if eng.load_error or eng.died:  # the process exits non-zero (cli/serve.py)
             return JSONResponse({"status": "failed", "error": eng.load_error or eng.died}, 503)
         if eng.draining:
             return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": "1"})

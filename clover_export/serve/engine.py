@@ -12,7 +12,7 @@ line; the traceback at debug level); a step that fails without naming its
 rows (the runtime isolates the rows it can, loop.py) fails the rows holding
 a slot. Only a fault no request can be blamed for stops the engine thread:
 it then ends every request with a 503, `died` says why, `/health` turns 503
-and `stopped` is set, so the server process exits non-zero (serve/cli.py).
+and `stopped` is set, so the server process exits non-zero (cli/serve.py).
 """
 
 from __future__ import annotations
