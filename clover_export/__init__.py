@@ -5,7 +5,7 @@ The Python API in one place (the same functions the `clover-export` commands cal
     from clover_export import BuildOptions, Generator, build, export
 
     build("tiny", "build/tiny", BuildOptions(precision="bf16"))  # `clover-export build`
-    gen = Generator.load("build/tiny/onnx-bf16")  # an artifact folder: ONNX Runtime
+    gen = Generator.load("build/tiny/onnx-fp32")  # an export folder: ONNX Runtime
     print(gen.generate("Sort: 7 3 9 1 4").text)
 
 The names load on first use (PEP 562), so `import clover_export` imports neither torch nor any
