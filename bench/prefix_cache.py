@@ -119,7 +119,8 @@ def measure(args, backend, on: bool, workload) -> dict:
     t0 = time.perf_counter()
     results, ttfb, prompts = workload(gen, args.max_new)
     wall = time.perf_counter() - t0
-    return {"prompt_tokens": sum(map(len, prompts)), "prompt_rows": sum(rows.by_id.get(r.request_id, 0) for r in results),
+    return {"prompt_tokens": sum(map(len, prompts)),
+            "prompt_rows": sum(rows.by_id.get(r.request_id, 0) for r in results),
             "cached_tokens": sum(r.cached_tokens for r in results),
             "ttfb_median_s": statistics.median(ttfb), "ttfb_max_s": max(ttfb), "ttfb_s": ttfb, "wall_s": wall,
             "tokens": [r.token_ids for r in results], "longest_prompt": max(map(len, prompts))}
@@ -135,7 +136,8 @@ def fork_vs_prefill(tokens: int) -> dict:
     per_token, snapshot = cache_bytes_per_token_and_fixed(cfg, dtype_bytes=2)  # bf16 K/V and conv, fp32 recurrent
     copied = tokens * per_token + snapshot
     weights = flops_per_row(cfg) * tokens  # every projection and the top-k experts, per row
-    attention = 2 * cfg.num_attention_heads * cfg.head_dim * tokens * tokens * len(cfg.attention_layers)  # causal QK, PV
+    # causal QK and PV
+    attention = 2 * cfg.num_attention_heads * cfg.head_dim * tokens * tokens * len(cfg.attention_layers)
     recurrence = 6 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * tokens \
         * len(cfg.gdn_layers)
     flops = weights + attention + recurrence

@@ -362,7 +362,8 @@ def triton_case(prompt: list[int], edited: list[int], chunk: int) -> dict:
     a.wait()
     b = gen.submit(prompt_ids=edited, max_new_tokens=8, threshold=0.1)
     b.wait()
-    return {"tokens": [a.result.token_ids, b.result.token_ids], "cached": [a.result.cached_tokens, b.result.cached_tokens],
+    return {"tokens": [a.result.token_ids, b.result.token_ids],
+            "cached": [a.result.cached_tokens, b.result.cached_tokens],
             "slots": [a.request.slot, b.request.slot]}
 
 
@@ -378,7 +379,8 @@ def test_triton_backend_gives_the_same_tokens_with_the_cache(backend):
     want = [off.generate(prompt_ids=p, max_new_tokens=8, threshold=0.1).token_ids for p in (prompt, edited)]
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = ("import json, sys; sys.path.insert(0, %r); import test_prefix_cache as t; "
-            "print('RESULT', json.dumps(t.triton_case(%r, %r, %d)))" % (os.path.dirname(__file__), prompt, edited, chunk))
+            "print('RESULT', json.dumps(t.triton_case(%r, %r, %d)))"
+            % (os.path.dirname(__file__), prompt, edited, chunk))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
@@ -390,9 +392,9 @@ def test_triton_backend_gives_the_same_tokens_with_the_cache(backend):
 def test_server_reports_cached_tokens_and_the_cache_figures(tiny_dir):
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
+    from test_serve import ThreadServer
 
     from clover_export.serve.app import ServeOptions, build_app
-    from test_serve import ThreadServer
 
     body = {"model": "clover-tiny", "max_tokens": 20,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "sort 3 1 2"}]}

@@ -187,7 +187,8 @@ def _too_long(gen, sub: Submission, prompt_tokens: int, max_tokens: int, need: i
     what = f"needs {need} positions (prompt {prompt_tokens} tokens + max_tokens {max_tokens} rounded up to blocks " \
            f"of {gen.block_size})"
     return ApiError(400, f"this request {what}, over the model's context of {gen.max_context}; shorten the "
-                         f"{sub.prompt_field} or lower max_tokens", param=sub.prompt_field, code="context_length_exceeded")
+                         f"{sub.prompt_field} or lower max_tokens", param=sub.prompt_field,
+                    code="context_length_exceeded")
 
 
 def api_error(e: CloverError, chat: bool = True) -> ApiError:
