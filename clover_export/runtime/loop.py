@@ -2,7 +2,7 @@
 
 It knows neither the backend nor the tokenizer: requests in, resolved blocks out.
 
-Failure isolation (issue 10): an exception fails only the requests it
+Failure isolation (DECODING.md 4): an exception fails only the requests it
 concerns; they leave the batch with `finish_reason` "error" and `error` set,
 their slots are freed, and the loop goes on.
 - At admission, `Runner.claim` checks the request's host-side state (a
