@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from clover_export.artifact.manifest import load_artifact
-from clover_export.quantize import calibration
 from clover_export.quantize import graph as fp8
+from clover_export.verify.agreement import HELDOUT_PROMPTS, agreement
 
 
 def main(build_dir: str, factors: list[float]) -> None:
@@ -31,7 +31,7 @@ def main(build_dir: str, factors: list[float]) -> None:
             t = time.perf_counter()
             out = Path(tmp) / f"x{f}"
             fp8.quantize_graph(fp32, out, {k: v * f for k, v in amax.items()})
-            a = calibration.agreement(fp32, out, model_dir, calibration.HELDOUT_PROMPTS)
+            a = agreement(fp32, out, model_dir, HELDOUT_PROMPTS)
             print(f"act scale x{f:g}: {a.line()} ({time.perf_counter() - t:.0f} s)", flush=True)
 
 

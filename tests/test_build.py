@@ -62,7 +62,7 @@ def test_fp8_below_the_gate_fails_the_build_before_the_engine_stage(built, monke
     measured (API) or reused from build.json (CLI)."""
     from clover_export.core.errors import CloverError
     from clover_export.pipeline import build as B
-    from clover_export.quantize import calibration
+    from clover_export.verify import agreement
 
     out, _ = built
     path = out / "build.json"
@@ -71,8 +71,8 @@ def test_fp8_below_the_gate_fails_the_build_before_the_engine_stage(built, monke
         data = json.loads(saved)
         del data["stages"]["validate-onnx-fp8"]
         path.write_text(json.dumps(data))
-        bad = calibration.Agreement(384, 0.95, 5.5, 0.3)
-        monkeypatch.setattr(calibration, "agreement", lambda *a, **k: bad)
+        bad = agreement.Agreement(384, 0.95, 5.5, 0.3)
+        monkeypatch.setattr(agreement, "agreement", lambda *a, **k: bad)
         logged = []
         with pytest.raises(CloverError) as e:
             B.build(None, out, B.BuildOptions(precision="fp8", max_batch=2), log=logged.append)

@@ -190,7 +190,7 @@ def test_fp8_graph_from_shared_weights_matches_the_per_graph_quantization(resume
     from clover_export.artifact.manifest import load_artifact
     from clover_export.exporter.session import ort_session
     from clover_export.quantize.graph import quantize_graph
-    from clover_export.verify.validate import NUM_SLOTS, initial_pools, make_feeds, pool_len, scenario
+    from clover_export.verify.scenario import NUM_SLOTS, initial_pools, make_feeds, pool_len, scenario
 
     out, _, _ = resumed
     amax = json.loads((out / "build.json").read_text())["stages"]["calibrate"]["result"]["amax"]

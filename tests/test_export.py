@@ -29,6 +29,8 @@ from clover_export.exporter.check import check_folder
 from clover_export.exporter.export import export
 from clover_export.exporter.session import ort_session
 from clover_export.verify import validate as V
+from clover_export.verify.runners import OrtRunner
+from clover_export.verify.scenario import NUM_SLOTS, initial_pools, make_feeds, play, pool_len, scenario
 
 
 def as_large_checkpoint_without_reflinks(m: pytest.MonkeyPatch) -> None:
@@ -68,9 +70,9 @@ def leftovers(parent: Path, name: str) -> list[Path]:
 def test_onnxruntime_matches_the_reference_over_steps_of_every_kind(fp32_export, tiny_model):
     out, _ = fp32_export
     art = load_artifact(out)
-    plans = V.scenario(art.block_size, art.chunk)
-    feeds = V.make_feeds(plans, art.config, art.block_size)
-    pools = V.initial_pools(art, V.NUM_SLOTS, V.pool_len(plans, art.block_size))
+    plans = scenario(art.block_size, art.chunk)
+    feeds = make_feeds(plans, art.config, art.block_size)
+    pools = initial_pools(art, NUM_SLOTS, pool_len(plans, art.block_size))
     sess = ort_session(art, providers=["CPUExecutionProvider"])
     ort_pools, ref_pools = dict(pools), {k: torch.from_numpy(v.copy()) for k, v in pools.items()}
     kinds = {(p.causal_rows == 0, tuple(r for r in p.rows)) for p in plans}
@@ -96,7 +98,7 @@ def test_validate_command_reports_every_output(fp32_export, tmp_path):
     rep = V.validate(out, save_io=tmp_path / "io.json", reference_evaluator=False)
     assert rep.passed and rep.runners == ["onnxruntime-cpu"]
     assert {e.output for e in rep.errors} == set(load_artifact(out).output_names)
-    assert {e.step for e in rep.errors} == set(range(len(V.scenario(32, 16))))
+    assert {e.step for e in rep.errors} == set(range(len(scenario(32, 16))))
     from polygraphy.json import load_json
 
     results, inputs = load_json(str(tmp_path / "io.json")), load_json(str(tmp_path / "io.inputs.json"))
@@ -149,11 +151,11 @@ def test_layer_replication_equals_tracing_every_layer(fp32_export, tiny_fp32_dir
         for a in (art, full)
     ]
     assert ops[0] == ops[1]  # same custom ops in the same order
-    plans = V.scenario(art.block_size, art.chunk)
-    feeds = V.make_feeds(plans, art.config, art.block_size)
-    pools = V.initial_pools(art, V.NUM_SLOTS, V.pool_len(plans, art.block_size))
-    a = V.play(V.OrtRunner(art, "CPUExecutionProvider"), feeds, pools)
-    b = V.play(V.OrtRunner(full, "CPUExecutionProvider"), feeds, pools)
+    plans = scenario(art.block_size, art.chunk)
+    feeds = make_feeds(plans, art.config, art.block_size)
+    pools = initial_pools(art, NUM_SLOTS, pool_len(plans, art.block_size))
+    a = play(OrtRunner.load(art, "CPUExecutionProvider"), feeds, pools)
+    b = play(OrtRunner.load(full, "CPUExecutionProvider"), feeds, pools)
     for step_a, step_b in zip(a, b):
         for name in art.output_names:
             np.testing.assert_allclose(step_a[name], step_b[name], atol=1e-6, rtol=0, err_msg=name)

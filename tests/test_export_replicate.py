@@ -14,7 +14,8 @@ import torch
 from clover_export.core import names
 from clover_export.exporter import load_artifact
 from clover_export.exporter.export import export
-from clover_export.verify import validate as V
+from clover_export.verify.runners import OrtRunner, TorchRunner
+from clover_export.verify.scenario import NUM_SLOTS, initial_pools, make_feeds, play, pool_len, scenario
 
 G, A = "linear_attention", "full_attention"
 
@@ -31,11 +32,11 @@ def test_stamped_graph_matches_the_reference(layer_types, tmp_path):
     assert [n.op_type for n in proto.graph.node if n.domain == "clover"] == [
         op for t in layer_types for op in (("BlockGDN" if t == G else "BlockAttention"), "CoresetMoE")]
     assert any(n.name.startswith(f"L{len(layer_types) - 1}/") for n in proto.graph.node)  # stamped, not traced
-    plans = V.scenario(art.block_size, art.chunk)[:3]
-    feeds = V.make_feeds(plans, art.config, art.block_size)
-    pools = V.initial_pools(art, V.NUM_SLOTS, V.pool_len(plans, art.block_size))
-    got = V.play(V.OrtRunner(art, "CPUExecutionProvider"), feeds, pools)
-    ref = V.play(V.TorchRunner(art, torch.float32), feeds, pools)  # the reference model of `src`
+    plans = scenario(art.block_size, art.chunk)[:3]
+    feeds = make_feeds(plans, art.config, art.block_size)
+    pools = initial_pools(art, NUM_SLOTS, pool_len(plans, art.block_size))
+    got = play(OrtRunner.load(art, "CPUExecutionProvider"), feeds, pools)
+    ref = play(TorchRunner.load(art, torch.float32), feeds, pools)  # the reference model of `src`
     for step, (g, r) in enumerate(zip(got, ref)):
         for name in art.output_names:
             np.testing.assert_allclose(g[name], r[name], atol=1e-4, rtol=0, err_msg=f"step {step} {name}")

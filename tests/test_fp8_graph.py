@@ -33,6 +33,7 @@ from clover_export.plugins.onnx_ops import OPSET, function_proto, node_attribute
 from clover_export.quantize import calibration
 from clover_export.quantize import graph as fp8
 from clover_export.quantize.scales import quantize_weight
+from clover_export.verify import agreement as fp8_agreement
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def test_fp8_graph_passes_check(random_fp8):
 def test_onnxruntime_runs_the_fp8_graph(random_fp8):
     model, _, fp8_dir, _ = random_fp8
     art = load_artifact(fp8_dir)
-    batch = calibration.prompt_batch(model, calibration.HELDOUT_PROMPTS[:2], art.block_size)
+    batch = calibration.prompt_batch(model, fp8_agreement.HELDOUT_PROMPTS[:2], art.block_size)
     feeds = batch.prefill_step()
     from clover_export.model.model import allocate_pools
 
@@ -148,7 +149,7 @@ TRAINED_MAX_LOGIT_ERROR = 3.0
 TRAINED_MEAN_LOGIT_ERROR = 0.12
 
 
-def trained_thresholds_fail(a: calibration.Agreement) -> list[str]:
+def trained_thresholds_fail(a: fp8_agreement.Agreement) -> list[str]:
     return [what for what, bad in (("agreement", a.top1_agreement < TRAINED_MIN_AGREEMENT),
                                    ("max logit error", a.max_abs_logit_error > TRAINED_MAX_LOGIT_ERROR),
                                    ("mean logit error", a.mean_abs_logit_error > TRAINED_MEAN_LOGIT_ERROR)) if bad]
@@ -174,9 +175,9 @@ def test_agreement_with_the_fp32_graph(random_fp8, trained_fp8, tiny_dir):
     (0.74-0.97 over seeds 1, 2, 3, 7): logged, with its error bounded instead.
     """
     model, fp32_dir, fp8_dir, _ = random_fp8
-    rnd = calibration.agreement(fp32_dir, fp8_dir, model, calibration.HELDOUT_PROMPTS)
+    rnd = fp8_agreement.agreement(fp32_dir, fp8_dir, model, fp8_agreement.HELDOUT_PROMPTS)
     t32, t8, _ = trained_fp8
-    trained = calibration.agreement(t32, t8, tiny_dir, calibration.HELDOUT_PROMPTS)
+    trained = fp8_agreement.agreement(t32, t8, tiny_dir, fp8_agreement.HELDOUT_PROMPTS)
     for what, a in (("random tiny (seed 7)", rnd), ("trained tiny", trained)):
         log.warning("%s: %s", what, a.line())
         print(f"{what}: {a.line()}")
@@ -191,7 +192,7 @@ def test_wrong_activation_scales_fail_the_trained_thresholds(trained_fp8, tiny_d
     large (subnormals), fail them. (10x too large is harmless in e4m3: see the comment above.)"""
     t32, _, amax = trained_fp8
     fp8.quantize_graph(t32, tmp_path / "bad", {k: v * factor for k, v in amax.items()})
-    a = calibration.agreement(t32, tmp_path / "bad", tiny_dir, calibration.HELDOUT_PROMPTS)
+    a = fp8_agreement.agreement(t32, tmp_path / "bad", tiny_dir, fp8_agreement.HELDOUT_PROMPTS)
     print(factor, a.line())
     assert trained_thresholds_fail(a), a.line()
 
@@ -254,6 +255,7 @@ import torch
 from clover_export.plugins import cuda_ops
 from clover_export.model.moe import moe_core_fp8
 from clover_export.quantize.scales import quantize_weight
+from clover_export.verify import agreement as fp8_agreement
 cuda_ops.register("cpu")
 g = torch.Generator().manual_seed(4)
 B, T, D, E, I, N = 2, 7, 32, 8, 16, 4

@@ -13,11 +13,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from clover_export.backends.ort_backend import OrtBackend
 from clover_export.exporter import load_artifact
 from clover_export.exporter.export import export
 from clover_export.exporter.lean_casts import lean_graph, weight_casts
 from clover_export.exporter.session import ort_session
-from clover_export.verify import validate as V
+from clover_export.verify.runners import OrtRunner
+from clover_export.verify.scenario import NUM_SLOTS, initial_pools, make_feeds, play, pool_len, scenario
 
 LAYERS = ["linear_attention", "full_attention"]
 
@@ -50,18 +52,16 @@ def fp32_export(bf16_per_expert):
 
 def test_lean_copy_computes_what_the_exported_graph_computes(fp32_export):
     art = fp32_export
-    plans = V.scenario(art.block_size, art.chunk)
-    feeds = V.make_feeds(plans, art.config, art.block_size, seed=0)
-    pools = V.initial_pools(art, V.NUM_SLOTS, V.pool_len(plans, art.block_size), seed=1)
+    plans = scenario(art.block_size, art.chunk)
+    feeds = make_feeds(plans, art.config, art.block_size, seed=0)
+    pools = initial_pools(art, NUM_SLOTS, pool_len(plans, art.block_size), seed=1)
 
     def runner(session):
-        r = V.OrtRunner.__new__(V.OrtRunner)
-        r.name, r.outputs, r.session = "ort", art.output_names, session
-        return r
+        return OrtRunner(OrtBackend(art, session), "ort")
 
     as_exported = ort.InferenceSession(str(art.graph_path), providers=["CPUExecutionProvider"])
-    want = V.play(runner(as_exported), feeds, pools)
-    got = V.play(runner(ort_session(art, ["CPUExecutionProvider"])), feeds, pools)
+    want = play(runner(as_exported), feeds, pools)
+    got = play(runner(ort_session(art, ["CPUExecutionProvider"])), feeds, pools)
     for step_got, step_want in zip(got, want):
         for name in step_want:
             scale = max(1.0, float(np.abs(step_want[name]).max()))

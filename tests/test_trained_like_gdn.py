@@ -89,7 +89,7 @@ def test_ort_block_logits_equal_the_torch_backend(checkpoint, artifact, prompt_i
 
     from clover_export.backends.ort_backend import OrtBackend
     from clover_export.backends.torch_backend import TorchBackend
-    from clover_export.verify.validate import fp32_tolerance
+    from clover_export.verify.compare import fp32_tolerance
 
     want = prefill_block_logits(TorchBackend.load(checkpoint, dtype="fp32"), prompt_ids)
     got = prefill_block_logits(OrtBackend.load(artifact, providers=["CPUExecutionProvider"]), prompt_ids)

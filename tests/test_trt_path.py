@@ -332,7 +332,7 @@ def _reference_ops():
 
     from onnx.reference.op_run import OpRun
 
-    from clover_export.verify.validate import _to_numpy, _to_torch
+    from clover_export.verify.runners import to_numpy, to_torch
 
     cast = {"int": int, "float": float, "bool": bool}
     classes = []
@@ -343,8 +343,8 @@ def _reference_ops():
         def _run(self, *inputs, c=c, core=core, **attrs):  # onnx.reference passes the node's attributes by name
             attrs = [cast[a.type](attrs.get(a.name, getattr(self, a.name, None))) for a in c.attributes]
             with torch.no_grad():
-                out = core(*[_to_torch(x) for x in inputs], *attrs)
-            return tuple(_to_numpy(o) for o in (out if isinstance(out, tuple) else (out,)))
+                out = core(*[to_torch(x) for x in inputs], *attrs)
+            return tuple(to_numpy(o) for o in (out if isinstance(out, tuple) else (out,)))
 
         classes.append(type(c.name, (OpRun,), {"op_domain": NAMESPACE, "_run": _run}))
     return classes
@@ -361,7 +361,8 @@ def test_trt_graph_computes_what_model_onnx_computes(tiny_fp32_dir, tmp_path):
     from clover_export.artifact.manifest import load_artifact
     from clover_export.exporter.export import export
     from clover_export.exporter.session import ort_session
-    from clover_export.verify.validate import _load_weights, small_step
+    from clover_export.verify.runners import load_weights
+    from clover_export.verify.scenario import small_step
 
     export(tiny_fp32_dir, tmp_path / "f32", dtype="fp32", weights="link", max_batch=2)
     art = load_artifact(tmp_path / "f32")
@@ -369,7 +370,7 @@ def test_trt_graph_computes_what_model_onnx_computes(tiny_fp32_dir, tmp_path):
     g = trt_graph(onnx.load(str(art.graph_path), load_external_data=False), art.config.num_experts, 4096)
     assert plugin_nodes(g)["MoEGateUp"] == art.config.num_hidden_layers and not g.functions
     assert plugin_nodes(g)["BlockAttentionSplit"] > 0  # the split-KV form's references run too
-    _load_weights(g, art)
+    load_weights(g, art)
     feeds, pools = small_step(art)
     inputs = {**feeds[0], **pools}
     want = dict(zip(art.output_names, ort_session(art, ["CPUExecutionProvider"]).run(art.output_names, inputs)))

@@ -52,12 +52,12 @@ class OrtBackend:
     name = "ort"
     step_shapes = None  # the graph's dims are symbolic: any C, any batch
 
-    def __init__(self, art, session):
+    def __init__(self, art, session, source: Path | None = None):
         self.art, self.session = art, session
         self.cfg = art.config
         self.block_size = art.block_size
         self.max_context = pool_len(art.manifest, self.cfg.max_context)
-        self.source_dir = source_dir(art)
+        self.source_dir = source  # `load` resolves it (`source_dir`); a graph run alone needs no tokenizer
         self.model_dtype = torch.bfloat16 if art.dtype == "bf16" else torch.float32
         cuda = session.get_providers()[0] == "CUDAExecutionProvider"
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -92,7 +92,7 @@ class OrtBackend:
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         so.intra_op_num_threads = ort_threads(threads, flops_per_row(art.config) * 2 * art.block_size)
         so.inter_op_num_threads = 1
-        backend = cls(art, ort_session(art, providers=providers, session_options=so))
+        backend = cls(art, ort_session(art, providers=providers, session_options=so), source_dir(art))
         backend.threads = threads
         return backend
 
@@ -121,7 +121,15 @@ class OrtBackend:
         (self.io.bind_output if output else self.io.bind_input)(*args)
 
     def step(self, inputs, pools):
-        io, spare = self.io, self.spare
+        spare = self.spare
+        logits, coreset = self.step_into(inputs, pools, spare)
+        self.spare = pools
+        return logits, coreset, spare
+
+    def step_into(self, inputs, pools, present: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step with its `present.*` written into `present` (a pool set shaped like `pools`); returns
+        the logits and coreset sizes (buffers reused by the next step)."""
+        io = self.io
         io.clear_binding_inputs()
         io.clear_binding_outputs()
         keep = []  # converted inputs must outlive the run
@@ -136,9 +144,8 @@ class OrtBackend:
         self._bind(names.CORESET_SIZE, coreset, output=True)
         for name, t in pools.items():
             self._bind(name, t)
-            self._bind(names.present_name(name), spare[name], output=True)
+            self._bind(names.present_name(name), present[name], output=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         self.session.run_with_iobinding(io)
-        self.spare = pools
-        return logits, coreset, spare
+        return logits, coreset

@@ -57,8 +57,12 @@ class TorchBackend:
     name = "torch"
     step_shapes = None  # any C, any batch
 
-    def __init__(self, model: CloverModel, source_dir: Path | None = None, threads: int | None = None):
+    def __init__(self, model: CloverModel, source_dir: Path | None = None, threads: int | None = None,
+                 in_place: bool = True):
         self.model = model.eval()
+        # False: each step runs the model's own functional cores (the semantics the graph is exported from,
+        # what verify/ compares graphs with) and returns new pools, leaving the given ones untouched
+        self.in_place = in_place
         self.cfg = model.cfg
         self.block_size = model.block_size
         self.max_context = model.cfg.max_context
@@ -90,6 +94,8 @@ class TorchBackend:
 
     @torch.inference_mode()
     def step(self, inputs, pools):
+        if not self.in_place:
+            return self.model.step(inputs, pools)
         read_len = int((inputs[names.PAST_LEN].long() + inputs[names.N_CAUSAL].long()).max())
         saved = self.model.cores
         self.model.cores = in_place_cores(saved, read_len)

@@ -104,7 +104,7 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
     different phases and cached lengths, cache pools carried between steps. Reports per-output max
     abs / relative error against tolerances; exit status 1 on any failure.
 
-    An FP8 graph (from `build --precision fp8`) is judged against the graph it was quantised from:
+    An FP8 graph (from `build --precision fp8`) is judged against the graph it was quantized from:
     top-1 agreement over denoise positions of held-out prompts and the logit error (pass: >= 97%).
     The FP8 graph on bf16 activations (onnx-fp8-bf16, what TensorRT builds from) must be the same graph
     as its fp32-activation twin beside it up to dtype, which is then judged as above."""
@@ -113,13 +113,13 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
 
     if save_io:  # before any work
         from clover_export.artifact.outdir import claim_file
-        from clover_export.verify.validate import _inputs_path as inputs_path
+        from clover_export.verify.polygraphy_io import inputs_path
 
         for option, path in (("--save-io", save_io), ("--save-io's inputs file", inputs_path(Path(save_io)))):
             claim_file(path, "validate-io", command="validate", force=force, option=option)
     art = load_artifact(folder)
     if "quantization" in art.manifest:
-        from clover_export.quantize.calibration import validate_fp8
+        from clover_export.verify.agreement import validate_fp8
 
         if art.dtype != "fp32":  # ONNX Runtime's CPU EP runs no bf16: judged as the twin of its fp32 graph
             from clover_export.verify.twins import find_twin, require_twins
@@ -133,8 +133,7 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
         if not passed:
             raise SystemExit(1)
         return
-    rep = validate(folder, steps=steps, save_io=save_io, cuda=not no_cuda, reference_evaluator=reference_evaluator,
-                   log=click.echo)
+    rep = validate(folder, steps=steps, save_io=save_io, cuda=not no_cuda, reference_evaluator=reference_evaluator)
     click.echo(rep.format())
     if not rep.passed:
         raise SystemExit(1)

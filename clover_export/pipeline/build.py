@@ -46,7 +46,7 @@ from typing import Callable
 
 from clover_export.artifact.manifest import BUILD_FILE
 from clover_export.core.errors import CloverError
-from clover_export.quantize.calibration import FP8_MIN_AGREEMENT
+from clover_export.verify.agreement import FP8_MIN_AGREEMENT
 
 BUILD_WEIGHT_MODES = ("link", "copy")  # export's weight modes a build accepts (STEP_GRAPH.md 2: files beside the graph)
 ENGINE_FILE = "engine.plan"
@@ -419,8 +419,8 @@ def slice_stage(model_dir, out, cfg, opts, base, stages, res, log, keep: dict | 
         log(f"[validate slices] reused: {'; '.join(stages.result(name)['lines'])}")
         res.reused.append(name)
         return
-    result = validate_slices(model_dir, out / ".slices", cfg.block_size, min(opts.chunk, 16), 2,
-                             log=lambda s: log(f"[validate slices] {s}"), keep=keep)
+    result = validate_slices(model_dir, out / ".slices", cfg.block_size, min(opts.chunk, 16), 2, keep=keep)
+    log(f"[validate slices] {result.line()}")
     if not result.passed:
         raise CloverError("build", "the exported graph does not match the reference model on a full-width slice:\n"
                           f"{result.line()}\n{result.report}")
@@ -471,8 +471,8 @@ def fp8_stages(model_dir, out, cfg, fp32_graph, bf16_graph, base, opts, stages, 
     folders, asked for after the calibration (background exports may run until then). shared: weights the
     slice read, taken over by the streamed calibration (emptied here either way). prompts: the calibration
     prompts tokenised (`calibration.PromptBatch`, made by `check_inputs`)."""
-    from clover_export.quantize.calibration import HELDOUT_PROMPTS, agreement
     from clover_export.quantize.graph import calibrate, quantize_graph
+    from clover_export.verify.agreement import HELDOUT_PROMPTS, agreement
 
     calib_key = keys["calibrate"]
     if stages.done("calibrate", calib_key, None):

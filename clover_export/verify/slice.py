@@ -1,4 +1,4 @@
-"""Validation that scales: a slice of the model at full width (issue 11).
+"""Validation that scales: a slice of the model at full width.
 
 Whole-graph validation runs the fp32 step graph in ONNX Runtime next to the
 fp32 reference model: ~5x the bf16 weights in RAM, ~330 GB for the 35B
@@ -14,8 +14,9 @@ ONNX Runtime (CPU, graph optimisations off, so the in-graph casts are not
 folded into resident fp32 copies; the graph as `lean_casts` rewrites it, so
 no cast is of a whole embedding or expert tensor) and, after that session is
 gone, by the reference model built from the same checkpoint tensors; the
-validation scenario and tolerances are `validate.py`'s. The slice's layers
-are resident at a time (~3.3 GiB of bf16 at full size, most of it experts),
+scenario, runners and fp32 tolerances are whole-graph validation's
+(`scenario.py`, `runners.py`, `compare.py`). The slice's layers are
+resident at a time (~3.3 GiB of bf16 at full size, most of it experts),
 read past the page cache (`direct_io.read_plan`); the reference keeps the
 embedding as stored, and hands it and its fp32 lm_head to whoever asks
 (`keep`: the build's streamed calibration, which comes next).
@@ -38,12 +39,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from clover_export.backends.torch_backend import TorchBackend
 from clover_export.core import names
 from clover_export.core.checkpoint import TORCH_DTYPES, TensorPlan, locate_tensors, plan_tensors
 from clover_export.core.config import CloverConfig, config_from_dict
+from clover_export.verify.compare import ValidationReport, compare, fp32_tolerance
+from clover_export.verify.runners import OrtRunner, TorchRunner
+from clover_export.verify.scenario import NUM_SLOTS, initial_pools, make_feeds, play, pool_len, scenario
 
 KINDS = ("linear_attention", "full_attention")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -114,7 +118,7 @@ class SliceResult:
 
 
 def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, max_batch: int,
-                    log=lambda s: None, keep: dict[str, torch.Tensor] | None = None) -> SliceResult:
+                    keep: dict[str, torch.Tensor] | None = None) -> SliceResult:
     """Export and validate the slice (module docstring) under WORK (removed afterwards). keep: filled with
     the reference's fp32 lm_head and its embedding table as stored, for a streamed reference model that
     comes next (`stream_calib.streamed_model(preloaded=)`: 3 GiB not read, cast and paged in again)."""
@@ -136,24 +140,20 @@ def validate_slices(model_dir: Path, work: Path, block_size: int, chunk: int, ma
         passed, text = _play_and_compare(folder, scfg, slice_plans(plans, layers), layers, keep)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    res = SliceResult(layers, [cfg.layer_types[i] for i in layers], passed, text, time.perf_counter() - t)
-    log(res.line())
-    return res
+    return SliceResult(layers, [cfg.layer_types[i] for i in layers], passed, text, time.perf_counter() - t)
 
 
 def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorPlan],
                       layers: list[int], keep: dict | None = None) -> tuple[bool, str]:
-    """validate.py's scenario (draw 0) on ONNX Runtime, then on the reference slice; never both resident."""
+    """The scenario (draw 0) on ONNX Runtime, then on the reference slice; never both resident."""
     import onnxruntime as ort
 
     from clover_export.artifact.manifest import load_artifact
-    from clover_export.exporter.session import ort_session
-    from clover_export.verify import validate as V
 
     art = load_artifact(folder)
-    plans_ = V.scenario(art.block_size, art.chunk)
-    feeds = V.make_feeds(plans_, art.config, art.block_size, seed=0)
-    pools = V.initial_pools(art, V.NUM_SLOTS, V.pool_len(plans_, art.block_size), seed=1)
+    steps = scenario(art.block_size, art.chunk)
+    feeds = make_feeds(steps, art.config, art.block_size, seed=0)
+    pools = initial_pools(art, NUM_SLOTS, pool_len(steps, art.block_size), seed=1)
     so = ort.SessionOptions()
     # no folded fp32 weight copies (folding them also took longer than it saved: 29 s to build the session).
     # The arena stays on: the graph's casts are per expert and per gathered row (lean_casts), and without
@@ -161,26 +161,25 @@ def _play_and_compare(folder: Path, scfg: CloverConfig, plans: dict[str, TensorP
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     # no spin-waiting between ops: the build runs the bf16 export and the FP8 file writer beside this session
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    runner = V.OrtRunner.__new__(V.OrtRunner)
-    runner.name, runner.outputs = "onnxruntime-cpu", art.output_names
     fed = _fed_weights(plans)
-    runner.session = ort_session(art, ["CPUExecutionProvider"], session_options=so,
-                                 fed_weights={n: (t.onnx_type, list(t.value.shape)) for n, t in fed.items()})
-    fed_ort = {n: t.ort_value() for n, t in fed.items()}
-    # copies: ONNX Runtime's outputs keep its memory arena alive (4 GiB at full width) while referenced
-    got = [{k: np.array(v, copy=True) for k, v in step.items()}
-           for step in V.play(runner, [{**f, **fed_ort} for f in feeds], pools)]
-    del runner, fed_ort
+    runner = OrtRunner.load(art, session_options=so,
+                            fed_weights={n: (t.onnx_type, list(t.value.shape)) for n, t in fed.items()})
+    weights = {n: t.value for n, t in fed.items()}  # bound in place, step after step
+    got = play(runner, [{**f, **weights} for f in feeds], pools)
+    ort_name = runner.name
+    del runner, weights
     _release_memory()
-    ref = _ReferenceSlice(scfg, plans, art, preloaded={t.param: t.value for t in fed.values()})
+    ref = TorchRunner(TorchBackend(reference_slice(scfg, plans, art, {t.param: t.value for t in fed.values()}),
+                                   in_place=False), art.output_names)
     del fed
-    expected = V.play(ref, feeds, pools)
+    expected = play(ref, feeds, pools)
     if keep is not None:  # not per layer: the same tensors in the whole model
-        keep.update((n, p.detach()) for n, p in ref.model.named_parameters() if n in (names.EMBED, names.LM_HEAD))
+        keep.update((n, p.detach()) for n, p in ref.backend.model.named_parameters()
+                    if n in (names.EMBED, names.LM_HEAD))
     del ref
     _release_memory()
-    rep = V.ValidationReport(steps=[p.name for p in plans_], runners=["onnxruntime-cpu"])
-    rep.errors = V.compare("onnxruntime-cpu", got, expected, V.fp32_tolerance)
+    rep = ValidationReport(steps=[p.name for p in steps], runners=[ort_name])
+    rep.errors = compare(ort_name, got, expected, fp32_tolerance)
     rep.notes.append("slice layer -> model layer: " + ", ".join(
         f"{j} -> {layer} ({kind})" for j, (layer, kind) in enumerate(zip(layers, scfg.layer_types))))
     return rep.passed, rep.format()
@@ -193,13 +192,6 @@ class _Fed:
     param: str  # the model parameter (the reference reuses the tensor)
     value: torch.Tensor
     onnx_type: int
-
-    def ort_value(self):
-        from onnxruntime import OrtValue
-
-        t = self.value
-        arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
-        return OrtValue.ortvalue_from_numpy_with_onnx_type(arr, self.onnx_type)
 
 
 def _fed_weights(plans: dict[str, TensorPlan]) -> dict[str, _Fed]:
@@ -232,47 +224,35 @@ def _release_memory() -> None:
         pass
 
 
-class _ReferenceSlice:
-    """The fp32 reference model of the slice, its weights read from the checkpoint tensors."""
+def reference_slice(scfg: CloverConfig, plans: dict[str, TensorPlan], art, preloaded=None):
+    """The fp32 reference model of the slice, its weights read from the checkpoint tensors (`preloaded`:
+    parameter -> tensor already read, `_fed_weights`' tensors shared with the ONNX Runtime run)."""
+    from dataclasses import replace
 
-    name = "reference-torch"
+    from clover_export.core.direct_io import DirectReader, empty, plan_targets, read_into
+    from clover_export.model.loading import build_model
+    from clover_export.quantize.stream_calib import (
+        embedding_as_stored,
+        reference_dtype,
+        reference_weight,
+        routed_moe_core,
+    )
 
-    def __init__(self, scfg: CloverConfig, plans: dict[str, TensorPlan], art, preloaded=None):
-        from dataclasses import replace
-
-        from clover_export.core.direct_io import DirectReader, empty, plan_targets, read_into
-        from clover_export.model.loading import build_model
-        from clover_export.quantize.stream_calib import (
-            embedding_as_stored,
-            reference_dtype,
-            reference_weight,
-            routed_moe_core,
-        )
-
-        self.model = build_model(scfg, torch.float32, device="meta", block_size=art.block_size)
-        pre = preloaded or {}  # `_fed_weights`' tensors, shared with the ONNX Runtime run
-        state, targets = {}, {}
-        for n, p in self.model.named_parameters():
-            if n in pre:
-                state[n] = pre[n]
-            elif n not in plans:  # opted-in Qwen: zero-filled
-                state[n] = reference_weight(n, torch.zeros(p.shape), torch.float32)
-            else:  # read in file order past the page cache, cast on the way (`read_into`)
-                dtype = reference_dtype(n, TORCH_DTYPES[plans[n].parts[0][0].dtype], torch.float32)
-                state[n] = empty(plans[n].shape, dtype)
-                targets.update(plan_targets(plans[n], state[n]))
-        read_into(DirectReader(), targets)
-        self.model.load_state_dict(state, strict=True, assign=True)
-        embedding_as_stored(self.model, torch.float32)
-        # the dense reference core runs all 256 experts on every row; the routed one equals it (tested in fp64)
-        self.model.cores = replace(self.model.cores, moe=routed_moe_core)
-        self.model.eval().requires_grad_(False)
-        self.outputs = art.output_names
-
-    @torch.no_grad()
-    def run(self, feeds):
-        from clover_export.core import names
-        from clover_export.verify.validate import _to_numpy, _to_torch
-
-        args = [_to_torch(feeds[n]) for n in list(names.STEP_SCALARS) + names.pool_names(self.model.cfg)]
-        return {n: _to_numpy(t) for n, t in zip(self.outputs, self.model(*args))}
+    model = build_model(scfg, torch.float32, device="meta", block_size=art.block_size)
+    pre = preloaded or {}
+    state, targets = {}, {}
+    for n, p in model.named_parameters():
+        if n in pre:
+            state[n] = pre[n]
+        elif n not in plans:  # opted-in Qwen: zero-filled
+            state[n] = reference_weight(n, torch.zeros(p.shape), torch.float32)
+        else:  # read in file order past the page cache, cast on the way (`read_into`)
+            dtype = reference_dtype(n, TORCH_DTYPES[plans[n].parts[0][0].dtype], torch.float32)
+            state[n] = empty(plans[n].shape, dtype)
+            targets.update(plan_targets(plans[n], state[n]))
+    read_into(DirectReader(), targets)
+    model.load_state_dict(state, strict=True, assign=True)
+    embedding_as_stored(model, torch.float32)
+    # the dense reference core runs all 256 experts on every row; the routed one equals it (tested in fp64)
+    model.cores = replace(model.cores, moe=routed_moe_core)
+    return model.eval().requires_grad_(False)

@@ -1,6 +1,6 @@
 """The two FP8 graphs of a build are twins: `onnx-fp8` (fp32 activations, what ONNX Runtime measures) and
 `onnx-fp8-bf16` (bf16 activations, what TensorRT builds the engine from; ONNX Runtime's CPU EP cannot run
-it). Only the first is measured, so the second must be the same graph up to dtype (issue 10):
+it). Only the first is measured, so the second must be the same graph up to dtype:
 
   - the same nodes in the same order, with the same attributes and the same wiring, once Cast nodes
     (the only dtype-dependent ops the exporter and the FP8 rewrite add) are looked through;
@@ -142,7 +142,7 @@ def _short(node, field) -> str:
 
 
 def _in_fp8_file(t: onnx.TensorProto) -> bool:
-    """Stored in the build's shared FP8 weight file (`engines/fp8_weights.py`)."""
+    """Stored in the build's shared FP8 weight file (`quantize/weights.py`)."""
     return any(e.key == "location" and Path(e.value).name == FP8_BIN for e in t.external_data)
 
 
@@ -199,13 +199,13 @@ def compare_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
             diffs.append(f"initializer {n}: e4m3 on one side only")
             continue
         if ta.data_type == TensorProto.FLOAT8E4M3FN or _in_fp8_file(ta) or _in_fp8_file(tb):
-            # the quantiser's output (e4m3 weights and their fp32 scales): byte-equal
+            # the quantizer's output (e4m3 weights and their fp32 scales): byte-equal
             xa, xb = _external_bytes(ta, fp8_dir, whole), _external_bytes(tb, bf_dir, whole)
             compared += len(xa)
             if xa != xb:
                 kind = "e4m3" if ta.data_type == TensorProto.FLOAT8E4M3FN else "fp8-file"
                 diffs.append(f"initializer {n}: {kind} bytes differ")
-        # unquantised weights: the external data of the two exports, each validated against the reference
+        # unquantized weights: the external data of the two exports, each validated against the reference
     return TwinReport(nodes, len(ia), compared, diffs)
 
 
