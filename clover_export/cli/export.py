@@ -16,7 +16,8 @@ def _mib(n: int) -> str:
 
 @click.command("export")
 @click.argument("model", required=False)
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output folder: new or empty (written atomically), or an earlier export with --force.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Output folder: new or empty (written atomically), or an earlier export with --force.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="Graph dtype. bf16: TensorRT / GPU; fp32: ONNX Runtime on CPU (the stored weights are cast "
                    "inside the graph: no weight file is converted).")
@@ -32,7 +33,8 @@ def _mib(n: int) -> str:
 @click.option("--max-batch", type=int, default=MAX_BATCH, show_default=True, help="Largest batch of the profiles.")
 @click.option("--slots", type=int, default=None, help="Cache slots per pool in the profiles (default: --max-batch).")
 @click.option("--max-len", type=int, default=None, help="Pool length L in the profiles (default: max_context).")
-@click.option("--allow-qwen", is_flag=True, help="Accept a plain Qwen3.5-MoE checkpoint (block-mixer tensors zero-filled).")
+@click.option("--allow-qwen", is_flag=True,
+              help="Accept a plain Qwen3.5-MoE checkpoint (block-mixer tensors zero-filled).")
 @click.option("--force", is_flag=True, help="Replace OUT when it holds an earlier export (never any other folder).")
 def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, max_len, allow_qwen, force):
     """Export MODEL's step graph (ONNX, opset 20 / IR 9) with manifest.json to OUT.
