@@ -3,11 +3,12 @@
 The engine is the real `serve.engine.Engine` on its own thread; what it loads is a stand-in with the three
 things the engine calls on a Generator (submit, step, loop.has_work), so each case is the engine state it
 names, reached the way the engine reaches it. Ray itself is not started: the deployment's class is built
-(`serve.deployment` + `serve.ingress`) and its `check_health` called on an instance holding the app.
+(`serve.deployment` + `serve.ingress`) and its `check_health` called on a stand-in replica holding the app.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from types import SimpleNamespace
 
@@ -85,10 +86,9 @@ def test_the_deployment_checks_the_engine_of_the_replicas_app():
     from clover_export.serve.ray_app import deployment
 
     cls = deployment(ServeOptions(), replicas=1, num_gpus=0)._bound_deployment.func_or_class
-    replica = object.__new__(cls)  # Ray's constructor would also run the lifespan; the app is all check_health reads
-    eng = started_engine(StandInGenerator)
-    replica._asgi_app = app_with(eng)  # what Ray's constructor sets; `self.app` (Ray's property) reads it
-    replica.check_health()
-    eng.stop(5)
+    assert isinstance(inspect.getattr_static(cls, "app"), property)  # Ray's: the replica's own copy of the app
+    replica = SimpleNamespace(app=app_with(started_engine(StandInGenerator)))  # Ray's constructor not run
+    cls.check_health(replica)
+    replica.app.state.engine.stop(5)
     with pytest.raises(RuntimeError, match="the engine stopped"):
-        replica.check_health()
+        cls.check_health(replica)
