@@ -14,6 +14,7 @@ so an interrupted run leaves no half entry.
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -72,5 +73,12 @@ def exported_artifact(model: str | Path | None, log: Callable[[str], None] = _st
         log(f"ort: using the cached fp32 export of {model_dir} ({entry})")
         return entry
     log(f"ort: exporting {model_dir} to an fp32 ONNX graph in the cache ({entry}); once, reused afterwards")
-    export(model_dir, entry, dtype="fp32", weights="copy")
+    # the line above announces the export; its progress lines would land on `generate`'s stdout (the text)
+    progress = logging.getLogger("clover_export.exporter.export")
+    level = progress.level
+    progress.setLevel(logging.WARNING)
+    try:
+        export(model_dir, entry, dtype="fp32", weights="copy")
+    finally:
+        progress.setLevel(level)
     return entry

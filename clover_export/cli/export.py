@@ -50,8 +50,7 @@ def export_cmd(model, out, dtype, weights, block_size, chunk, max_batch, slots, 
     from clover_export.exporter.export import export
 
     res = export(model, out, dtype=dtype, weights=weights, block_size=block_size, chunk=chunk,
-                 max_batch=max_batch, slots=slots, max_len=max_len, allow_qwen=allow_qwen, log=click.echo,
-                 force=force)
+                 max_batch=max_batch, slots=slots, max_len=max_len, allow_qwen=allow_qwen, force=force)
     w = res.weights
     for msg in w.messages:
         click.echo(f"{'warning' if msg in w.warnings else 'note'}: {msg}")

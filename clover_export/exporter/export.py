@@ -5,37 +5,36 @@ the step graph is traced on the meta device, the weights are attached as
 external data per the chosen mode (`weights.py`; how they were placed --
 reflink, copy, hard link, mapped -- is in the manifest and decides which
 tools read the folder: docs/exports.md), the folder is checked (`check.py`) and
-only then moved into place (`outdir.commit_dir`). Any failure removes
+only then moved into place (`writer.ArtifactWriter`). Any failure removes
 the temporary folder: an existing export at OUT stays as it was.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import logging
 import platform
-import shutil
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 import onnx
 
 from clover_export.artifact import manifest as A
-from clover_export.artifact.outdir import claim_dir, commit_dir
 from clover_export.core import names
 from clover_export.core.checkpoint import locate_tensors, plan_tensors
 from clover_export.core.config import CloverConfig, load_config
 from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH, PREFILL_CHUNK
+from clover_export.exporter.check import check_folder
+from clover_export.exporter.onnx_graph import node_reads
 from clover_export.exporter.trace import BATCH, IR_VERSION, OPSET, POOL_LEN, SLOTS, STEP_LEN, trace_step
-from clover_export.exporter.trt_graph import TRT_GRAPH, write_trt_graph
 from clover_export.exporter.weights import WeightReport, WeightWriter, shard_bytes
+from clover_export.exporter.writer import ArtifactWriter
 from clover_export.model.loading import parse_dtype, resolve_model_dir
 from clover_export.plugins import contracts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,109 +82,107 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-def export(
-    model: str | Path | None,
-    out: str | Path,
-    dtype: str = "bf16",
-    weights: str = "link",
-    block_size: int | None = None,
-    chunk: int = PREFILL_CHUNK,
-    max_batch: int = MAX_BATCH,
-    slots: int | None = None,
-    max_len: int | None = None,
-    allow_qwen: bool = False,
-    log: Callable[[str], None] = lambda s: None,
-    force: bool = False,
-    config: CloverConfig | None = None,
-    tensor_plans: dict | None = None,
-) -> ExportResult:
+@dataclass(frozen=True)
+class ExportOptions:
+    """What `export` makes: the `clover-export export` options (defaults: `core.step_shape`). None: from the
+    model's config (block_size: its block size; max_len: its max_context) or from max_batch (slots)."""
+
+    dtype: str = "bf16"  # the graph's model dtype: "bf16" | "fp32"
+    weights: str = "link"  # how the weights are placed: `artifact.manifest.WEIGHT_MODES`
+    block_size: int | None = None
+    chunk: int = PREFILL_CHUNK  # causal rows of the prefill profile
+    max_batch: int = MAX_BATCH  # largest batch of the profiles
+    slots: int | None = None  # cache slots per pool
+    max_len: int | None = None  # pool length L
+    allow_qwen: bool = False  # a plain Qwen3.5-MoE checkpoint, its block-mixer tensors zero-filled
+    force: bool = False  # replace an earlier export at OUT
+
+
+def export(model: str | Path | None, out: str | Path, options: ExportOptions | None = None, *,
+           config: CloverConfig | None = None, tensor_plans: dict | None = None, **fields) -> ExportResult:
     """Export MODEL's step graph into OUT (see the module docstring); returns what was done.
 
+    `options`, with any of its fields given by keyword instead (`export(model, out, dtype="fp32")`).
     OUT follows `clover_export.artifact.outdir`: a new or empty folder, or (with `force`) an earlier export.
     `config` + `tensor_plans` replace the folder's config and checkpoint plan (a slice of the model:
-    `exporter/slice.py`); the manifest still names MODEL's folder."""
+    `verify/slice.py`); the manifest still names MODEL's folder."""
     t0 = time.perf_counter()
-    if weights not in A.WEIGHT_MODES:
-        raise CloverError("export", f"unknown weights mode {weights!r}", f"expected one of {', '.join(A.WEIGHT_MODES)}")
-    torch_dtype = parse_dtype(dtype)
+    o = replace(options or ExportOptions(), **fields)
+    if o.weights not in A.WEIGHT_MODES:
+        raise CloverError("export", f"unknown weights mode {o.weights!r}",
+                          f"expected one of {', '.join(A.WEIGHT_MODES)}")
+    torch_dtype = parse_dtype(o.dtype)
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir) if config is None else config
-    N = cfg.block_size if block_size is None else block_size
-    slots = max_batch if slots is None else slots
-    max_len = cfg.max_context if max_len is None else max_len
-    for name, v in (("--block-size", N), ("--chunk", chunk), ("--max-batch", max_batch), ("--slots", slots), ("--max-len", max_len)):
-        if not isinstance(v, int) or v <= 0:
-            raise CloverError("export", f"{name} must be a positive integer, got {v!r}")
-    if slots < max_batch:
-        raise CloverError("export", f"--slots ({slots}) is below --max-batch ({max_batch})", "each batch row owns one slot")
+    o = _resolved(o, cfg)
     out = Path(out).absolute()
     _refuse_overlap(model_dir, out)
-    claim_dir(out, "export", command="export", force=force, model_dirs=[model_dir])
+    dest = ArtifactWriter(out, "export", command="export", what="the export", force=o.force, model_dirs=[model_dir])
     plans = tensor_plans if tensor_plans is not None else \
-        plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=allow_qwen)  # every problem, before any work
-    log(f"model: {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers), graph dtype {dtype}, block {N}")
+        plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=o.allow_qwen)  # every problem, before any work
+    log.info(f"model: {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers), graph dtype {o.dtype}, "
+             f"block {o.block_size}")
     t = time.perf_counter()
-    traced = trace_step(cfg, torch_dtype, N)
-    log(f"traced on the meta device in {time.perf_counter() - t:.1f} s")
+    traced = trace_step(cfg, torch_dtype, o.block_size)
+    log.info(f"traced on the meta device in {time.perf_counter() - t:.1f} s")
     _match_parameters(traced.parameters, plans, cfg)
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as e:
-        raise CloverError("export", f"cannot create a folder beside {out} ({e.strerror or e})") from None
-    try:
-        _chmod_like_umask(tmp)
-        used = [plans[name] for name in traced.parameters if name in plans]
-        writer = WeightWriter(tmp, weights, torch_dtype, checkpoint_bytes=shard_bytes(used))
-        try:
-            for name in traced.parameters:
-                if name in plans:
-                    writer.add(plans[name])
-                else:
-                    writer.add_zeros(name, traced.parameters[name][0])
-        finally:
-            writer.close()
-        proto = traced.model
-        proto.graph.initializer.extend(writer.initializers)
-        nodes = weight_nodes_before_use(list(writer.nodes), list(proto.graph.node))
-        del proto.graph.node[:]
-        proto.graph.node.extend(nodes)
-        onnx.save_model(proto, str(tmp / A.GRAPH))
-        (tmp / A.WEIGHT_MAP).write_text(json.dumps({"mode": writer.report.mode, "tensors": writer.weight_map}))
-        manifest = _manifest(cfg, model_dir, dtype, N, chunk, max_batch, slots, max_len, traced, writer.report)
-        engine_bound = dtype != "fp32" and writer.report.mode != "map"  # map mode cannot reach TensorRT
-        if engine_bound:  # what TensorRT parses: no clover functions, MoE as AOT sub-ops, same external data
-            manifest["tensorrt"] = write_trt_graph(tmp, proto, cfg.num_experts, max_len)
-        (tmp / A.MANIFEST).write_text(json.dumps(manifest, indent=2))
-        for fname in A.COMPANION_FILES:  # the runtime needs them; the model folder may move
-            if (model_dir / fname).is_file():
-                shutil.copyfile(model_dir / fname, tmp / fname)
-        from clover_export.exporter.check import check_folder
-
-        report = check_folder(tmp, proto=proto, tensorrt=writer.report.mode != "map")
+    with dest:
+        proto, placed = _attach_weights(dest.dir, traced, plans, o.weights, torch_dtype)
+        manifest = _manifest(cfg, model_dir, o, traced, placed.report)
+        engine_bound = o.dtype != "fp32" and placed.report.mode != "map"  # map mode cannot reach TensorRT
+        written = placed.report.weight_bytes_written + dest.write(
+            proto, manifest, {"mode": placed.report.mode, "tensors": placed.weight_map}, companions_from=model_dir,
+            tensorrt_pool_len=o.max_len if engine_bound else None)
+        report = check_folder(dest.dir, proto=proto, tensorrt=placed.report.mode != "map")
         if report.failures:
             raise CloverError("check", f"the exported graph fails {len(report.failures)} readiness check(s):\n"
                               + report.format(only_failures=True),
                               "nothing was written; this is an exporter bug worth reporting")
-        written = writer.report.weight_bytes_written + sum(
-            (tmp / f).stat().st_size for f in (A.GRAPH, A.WEIGHT_MAP, A.MANIFEST) + ((TRT_GRAPH,) if engine_bound else ()))
-        commit_dir(tmp, out, "export", command="export", force=force, model_dirs=[model_dir])
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        raise CloverError("export", f"writing the export failed: {e.strerror or e}{where}",
-                          f"nothing was written; {out} is as it was before") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return ExportResult(out, writer.report, time.perf_counter() - t0, written, len(report.failures))
+        dest.commit()
+    return ExportResult(out, placed.report, time.perf_counter() - t0, written, len(report.failures))
+
+
+def _resolved(o: ExportOptions, cfg: CloverConfig) -> ExportOptions:
+    """`o`'s None fields filled in from the config (`ExportOptions`), the sizes checked."""
+    o = replace(o, block_size=cfg.block_size if o.block_size is None else o.block_size,
+                slots=o.max_batch if o.slots is None else o.slots,
+                max_len=cfg.max_context if o.max_len is None else o.max_len)
+    for name, v in (("--block-size", o.block_size), ("--chunk", o.chunk), ("--max-batch", o.max_batch),
+                    ("--slots", o.slots), ("--max-len", o.max_len)):
+        if not isinstance(v, int) or v <= 0:
+            raise CloverError("export", f"{name} must be a positive integer, got {v!r}")
+    if o.slots < o.max_batch:
+        raise CloverError("export", f"--slots ({o.slots}) is below --max-batch ({o.max_batch})",
+                          "each batch row owns one slot")
+    return o
+
+
+def _attach_weights(folder: Path, traced, plans: dict, mode: str, torch_dtype) -> tuple[onnx.ModelProto, WeightWriter]:
+    """The traced graph with its weights as external data placed in `folder` per `mode` (`weights.py`), each
+    weight node (cast, expert Concat + Reshape) right before its first reader; returns it and the writer."""
+    used = [plans[name] for name in traced.parameters if name in plans]
+    writer = WeightWriter(folder, mode, torch_dtype, checkpoint_bytes=shard_bytes(used))
+    try:
+        for name in traced.parameters:
+            if name in plans:
+                writer.add(plans[name])
+            else:
+                writer.add_zeros(name, traced.parameters[name][0])
+    finally:
+        writer.close()
+    proto = traced.model
+    proto.graph.initializer.extend(writer.initializers)
+    nodes = weight_nodes_before_use(list(writer.nodes), list(proto.graph.node))
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return proto, writer
 
 
 def weight_nodes_before_use(weight_nodes: list, nodes: list) -> list:
     """The weight nodes (casts of stored dtypes, per-expert Concat + Reshape) each placed right before the
     first node that reads them: ONNX Runtime follows the order, so a cast weight lives only while used
-    (at full size an fp32 embedding or expert tensor is GBs; issue 11)."""
+    (at full size an fp32 embedding or expert tensor is GBs)."""
     producer = {o: n for n in weight_nodes for o in n.output}
     done: set[int] = set()
     out: list = []
@@ -200,28 +197,11 @@ def weight_nodes_before_use(weight_nodes: list, nodes: list) -> list:
         out.append(n)
 
     for node in nodes:
-        for i in _reads(node):
+        for i in node_reads(node):
             emit(i)
         out.append(node)
     out += [n for n in weight_nodes if id(n) not in done]
     return out
-
-
-def _reads(node) -> list[str]:
-    """A node's inputs and the outer-scope names its subgraphs read."""
-    names_ = [i for i in node.input if i]
-    for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            for n in g.node:
-                names_ += _reads(n)
-    return names_
-
-
-def _chmod_like_umask(path: Path) -> None:
-    """mkdtemp makes 0700 folders; the export should get the usual permissions."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o777 & ~mask)
 
 
 def _refuse_overlap(model_dir: Path, out: Path) -> None:
@@ -246,8 +226,9 @@ def _match_parameters(params: dict, plans: dict, cfg: CloverConfig) -> None:
                           + "\n  - ".join([f"no tensor for {m}" for m in missing] + shapes))
 
 
-def _manifest(cfg, model_dir, dtype, N, chunk, max_batch, slots, max_len, traced, report: WeightReport) -> dict:
-    profs = profiles(N, chunk, max_batch, slots, max_len)
+def _manifest(cfg: CloverConfig, model_dir: Path, o: ExportOptions, traced, report: WeightReport) -> dict:
+    N = o.block_size
+    profs = profiles(N, o.chunk, o.max_batch, o.slots, o.max_len)
     for p in profs:
         p["shapes"] = profile_shapes(traced.inputs, p)
     return {
@@ -258,9 +239,9 @@ def _manifest(cfg, model_dir, dtype, N, chunk, max_batch, slots, max_len, traced
         "model_dir": str(model_dir.resolve()),
         "config": cfg.to_dict(),
         "config_fingerprint": cfg.fingerprint(),
-        "dtype": dtype,
+        "dtype": o.dtype,
         "block_size": N,
-        "chunk": chunk,
+        "chunk": o.chunk,
         "opset": OPSET,
         "ir_version": IR_VERSION,
         "inputs": traced.inputs,

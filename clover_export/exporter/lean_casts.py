@@ -1,10 +1,11 @@
-"""What ONNX Runtime runs of an fp32 graph of a bf16 checkpoint: its weight casts kept small (issue 11).
+"""What ONNX Runtime runs of an fp32 graph of a bf16 checkpoint: its weight casts kept small.
 
 An fp32 graph of a bf16 checkpoint references the stored bf16 tensors and
 casts them in the graph (`weights.py`: `<name>__bf16` -> Cast -> `<name>`).
 As traced, every step then materialises whole fp32 copies it does not
 need, which at full size cost seconds and GBs per step (profiled on the
-full-width slice; `bench/README.md`, "Build at full size"):
+full-width slice: `python bench/build_fullsize.py --only bf16`; figures in
+bench/results/HISTORY.md):
 
 - the embedding table (248 k rows x 2048) cast whole, then one row per
   token gathered: here the bf16 rows are gathered first and only they cast;
@@ -17,7 +18,7 @@ full-width slice; `bench/README.md`, "Build at full size"):
   stored tensor.
 
 The graph on disk stays as traced (it is what `quantize`, the FP8 twin
-check and TensorRT read); `artifact.ort_session` applies `lean_graph` to
+check and TensorRT read); `exporter.session.ort_session` applies `lean_graph` to
 the copy it hands to ONNX Runtime. Graphs without such casts (fp32
 checkpoints, bf16 graphs) come back unchanged.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from clover_export.exporter.onnx_graph import node_reads
 from clover_export.plugins.contracts import NAMESPACE
 
 _MOE_WEIGHT_INPUTS = {"CoresetMoE": (2, 3)}  # gate_up, down (contract order: x, router_w, gate_up, down)
@@ -94,11 +96,9 @@ def feed_weights(proto: onnx.ModelProto, weights: dict[str, tuple[int, list[int]
 
 def _drop_unread(g: onnx.GraphProto) -> set[str]:
     """Remove the nodes whose outputs nothing reads (repeatedly: chains go whole); returns the names read."""
-    from clover_export.exporter.export import _reads
-
     outputs = {o.name for o in g.output}
     while True:
-        read = {i for n in g.node for i in _reads(n)} | outputs
+        read = {i for n in g.node for i in node_reads(n)} | outputs
         dead = [n for n in g.node if not any(o in read for o in n.output)]
         if not dead:
             return read
@@ -112,7 +112,8 @@ def _gemm(n, w: str, shape: list[int]) -> list:
     N, K = shape
 
     def const(name, vals):
-        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(vals)], vals))
+        return helper.make_node("Constant", [], [name],
+                                value=helper.make_tensor(name, TensorProto.INT64, [len(vals)], vals))
 
     return [
         const(f"{p}/k", [-1, K]), const(f"{p}/n", [N]),

@@ -8,13 +8,13 @@ external data is (location, offset, length) inside a safetensors shard:
   `READERS`, docs/exports.md); a symlinked shard (Hugging Face cache) is
   resolved first.
 - `map`: nothing is linked; `weights.json` names the shards in place and
-  `artifact.ort_session` feeds their memory-mapped bytes to ONNX Runtime.
+  `exporter.session.ort_session` feeds their memory-mapped bytes to ONNX Runtime.
 - `copy`: the shards are copied into `weights/` (a self-contained folder).
 Tensors whose stored dtype differs from the graph's (fp32 graphs of a bf16
 checkpoint, F32-stored norms in a bf16 graph) are referenced as stored and
 cast inside the graph (`<name>__<stored dtype>` -> Cast -> `<name>`): no
 weight is ever converted into a new file, so an fp32 graph of the 35B model
-costs no disk (issue 11). Per-expert checkpoints keep their per-expert
+costs no disk. Per-expert checkpoints keep their per-expert
 initializers; the fused tensor is a Concat + Reshape of them (then one Cast).
 Only zero-filled tensors (plain Qwen checkpoints opted in) are written, into
 `weights/converted.bin`.
@@ -76,7 +76,7 @@ def storage_dtype(st_dtype: str):
 # "hardlink" (onnx >= 1.21 refuses any external-data file with more than one link, in onnx.load and in
 # onnx.checker by path; ONNX Runtime >= 1.24 only checks that the file resolves inside the folder;
 # TensorRT's parser opens it relative to the graph, refusing only '../'), "mapped" (`map` mode: the
-# file is not in the folder, only `artifact.ort_session` supplies the bytes).
+# file is not in the folder, only `exporter.session.ort_session` supplies the bytes).
 READERS = {  # key -> (short name, what the user runs)
     "onnx": ("onnx.load / onnx.checker", "onnx.load(path) and onnx.checker.check_model(path)"),
     "polygraphy-onnx": ("polygraphy inspect model", "polygraphy inspect model, and polygraphy run options that "
@@ -93,8 +93,8 @@ REMEDY = {
     "hardlink": "export with --weights copy for a folder every tool loads; for the graph alone use "
                 "onnx.load(path, load_external_data=False) or polygraphy inspect model --ignore-external-data; "
                 "`clover-export check DIR` runs onnx.checker (full check) on the graph",
-    "mapped": "export with --weights link or copy; in Python, clover_export.exporter.session.ort_session(load_artifact(DIR)) "
-              "feeds the mapped weights to ONNX Runtime",
+    "mapped": "export with --weights link or copy; in Python, "
+              "clover_export.exporter.session.ort_session(load_artifact(DIR)) feeds the mapped weights to ONNX Runtime",
 }
 
 
@@ -270,7 +270,8 @@ class WeightWriter:
         why = "the output is on another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))
         self.report.warn(
             f"cannot link {real} into {self.folder.name}/ ({why}); falling back to --weights map: the graph "
-            f"reads the checkpoint in place through weights.json (ONNX Runtime: clover_export.exporter.session.ort_session). "
+            f"reads the checkpoint in place through weights.json "
+            f"(ONNX Runtime: clover_export.exporter.session.ort_session). "
             f"Use --weights copy for a self-contained folder, or export onto the checkpoint's filesystem"
         )
         rel_to_real = {rel: real for real, rel in self.files.items()}
@@ -343,7 +344,8 @@ class WeightWriter:
                                  "dtype": self.dtype, "shape": list(t.shape), "converted": True}
 
     def _external(self, name, shape, location, offset, length, st_dtype: str | None = None) -> None:
-        t = TensorProto(name=name, data_type=_ONNX[st_dtype or self.dtype], dims=list(shape), data_location=TensorProto.EXTERNAL)
+        t = TensorProto(name=name, data_type=_ONNX[st_dtype or self.dtype], dims=list(shape),
+                        data_location=TensorProto.EXTERNAL)
         # map mode: locations inside the folder that do not exist; ort_session supplies the bytes
         loc = location if not os.path.isabs(location) else f"{WEIGHTS_DIR}/{Path(location).name}"
         for k, v in (("location", loc), ("offset", str(offset)), ("length", str(length))):

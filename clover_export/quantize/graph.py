@@ -1,6 +1,6 @@
 """The FP8 step graph (STEP_GRAPH.md 4): e4m3 weights + scales, Q/DQ around the standard GEMMs.
 
-From an exported fp32 (or bf16) artefact this writes a new artefact folder:
+From an exported fp32 (or bf16) artifact, `quantize_graph` writes a new artifact folder:
 - every GEMM weight W (attention/GDN projections, shared expert; lm_head
   optional) becomes an e4m3 initializer with fp32 per-output-channel scales,
   `DequantizeLinear(W8, s, axis=0)` feeding the graph's `Transpose -> MatMul`;
@@ -9,20 +9,21 @@ From an exported fp32 (or bf16) artefact this writes a new artefact folder:
   read the same x;
 - the routed experts become e4m3 [E, out, in] + scales [E, out] fed to
   `clover::CoresetMoEFP8` (contract `plugins/contracts.py`, BF16
-  activations; its function body dequantises, then computes CoresetMoE, so
+  activations; its function body dequantizes, then computes CoresetMoE, so
   ONNX Runtime runs it anywhere). Functions no node calls any more are dropped.
-Weights are quantised once per build, streamed tensor by tensor from the
-checkpoint (`fp8_weights.py`), into one `fp8.bin` that every FP8 graph of
+Weights are quantized once per build, streamed tensor by tensor from the
+checkpoint (`quantize/weights.py`), into one `fp8.bin` that every FP8 graph of
 the build links as `weights/fp8.bin`; nothing else is copied (the remaining
 tensors keep pointing at the source's files). The Cast / Concat chains that
 fed the replaced weights are dropped with them.
+
+The graph itself is rewritten by `rewrite_fp8` (graph in, graph out, no disk); `quantize_graph` places
+the weights, calls it and writes the folder through `exporter.writer.ArtifactWriter`, as `export` does.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,12 +32,21 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from clover_export.artifact.manifest import COPY_BELOW, WEIGHTS_DIR, load_artifact, read_weight_map
+from clover_export.artifact.manifest import pool_len as artifact_pool_len
+from clover_export.core.checkpoint import locate_tensors, plan_tensors
 from clover_export.core.errors import CloverError
+from clover_export.exporter.onnx_graph import node_reads
+from clover_export.exporter.weights import copy_file, link_file
+from clover_export.exporter.writer import ArtifactWriter
 from clover_export.model.sizing import fp8_weight_names
 from clover_export.plugins.contracts import CORESET_MOE, CORESET_MOE_FP8, NAMESPACE, manifest_entry
 from clover_export.plugins.onnx_ops import function_proto
+from clover_export.quantize import weights as fp8_weights
 from clover_export.quantize.scales import activation_scale
 from clover_export.quantize.weights import FP8_BIN
+
+FP8_FILE = f"{WEIGHTS_DIR}/{FP8_BIN}"  # where every FP8 graph reads the shared weight file
 
 
 @dataclass
@@ -93,7 +103,7 @@ def calibrate(model_dir: Path, steps, block_size: int, include_lm_head: bool = F
                     feeds = batch.prefill_step() if i == 0 else batch.denoise_step(logits.numpy())
                 if pools is None:
                     pools = allocate_pools(cfg, int(feeds["slot_ids"].max()) + 1, pool_len)
-                if i == count - 1 and not include_lm_head:  # logits never read: no lm_head GEMM (0.3 TFLOP at full size)
+                if i == count - 1 and not include_lm_head:  # logits never read: no lm_head GEMM (0.3 TFLOP full size)
                     model.logits = lambda h: h[..., :0]
                 logits, _, pools = model.step({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}, pools)
     finally:
@@ -119,135 +129,141 @@ def _external(name: str, data_type: int, shape, location: str, offset: int, leng
     return t
 
 
-def _fp8_pair(name: str, entry: dict, rel: str) -> tuple[TensorProto, TensorProto]:
-    """The e4m3 weight and its fp32 scales, both read from the shared fp8.bin (`fp8_weights`)."""
+def _fp8_pair(name: str, entry: dict, location: str) -> tuple[TensorProto, TensorProto]:
+    """The e4m3 weight and its fp32 scales, both read from the shared fp8.bin (`quantize.weights`)."""
     off, n = entry["fp8"]
     s_off, s_len, s_shape = entry["scale"]
-    return (_external(f"{name}.fp8", TensorProto.FLOAT8E4M3FN, entry["shape"], rel, off, n),
-            _external(f"{name}.scale", TensorProto.FLOAT, s_shape, rel, s_off, s_len))
+    return (_external(f"{name}.fp8", TensorProto.FLOAT8E4M3FN, entry["shape"], location, off, n),
+            _external(f"{name}.scale", TensorProto.FLOAT, s_shape, location, s_off, s_len))
 
 
 def source_plans(art) -> dict:
-    """The checkpoint tensor plans of an exported artefact (its manifest names the model folder)."""
-    from clover_export.core.checkpoint import locate_tensors, plan_tensors
-
+    """The checkpoint tensor plans of an exported artifact (its manifest names the model folder)."""
     return plan_tensors(art.config, locate_tensors(Path(art.manifest["model_dir"])), allow_qwen=True)
 
 
 def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False,
                    force: bool = False, weights=None) -> Fp8Report:
-    """Write the FP8 artefact of the exported folder `src_dir` into `out_dir` (atomically; `out_dir` new,
-    empty, or with `force` an earlier FP8 graph: `clover_export.artifact.outdir`).
+    """Write the FP8 artifact of the exported folder `src_dir` into `out_dir` (atomically; `out_dir` new,
+    empty, or with `force` an earlier FP8 graph: `clover_export.artifact.outdir`): the FP8 weights placed,
+    the graph rewritten (`rewrite_fp8`), then written beside the source's remaining files (`ArtifactWriter`).
 
-    `weights`: the build's shared `fp8_weights.Fp8Weights`, linked into the new folder; without it
-    the weights are quantised here (for this one graph)."""
-    from clover_export.artifact.manifest import COPY_BELOW, load_artifact, read_weight_map
-    from clover_export.artifact.outdir import claim_dir, commit_dir
-    from clover_export.exporter.weights import copy_file, link_file
-    from clover_export.quantize.weights import load_fp8_weights, quantize_weights
-
+    `weights`: the build's shared `quantize.weights.Fp8Weights` (or its folder), linked into the new folder;
+    without it the weights are quantized here (for this one graph)."""
     art = load_artifact(src_dir)
-    wmap = read_weight_map(art)
-    proto = onnx.load(str(art.graph_path), load_external_data=False)
-    g = proto.graph
-    producer = {o: n for n in g.node for o in n.output}
-    targets = fp8_weight_names(art.config, include_lm_head)
-    report = Fp8Report(include_lm_head=include_lm_head)
-
-    out_dir = claim_dir(out_dir, "fp8", command="quantize", force=force, model_dirs=[art.dir])
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        (tmp / "weights").mkdir()
-        rel = f"weights/{FP8_BIN}"
-        if weights is None:
-            own = quantize_weights(source_plans(art), targets, tmp / ".fp8")
-            (own.dir / FP8_BIN).rename(tmp / rel)
-            report.bytes_written = own.bytes_written
-            index = own.index
-            shutil.rmtree(own.dir)
-        else:
-            weights = load_fp8_weights(Path(weights)) if isinstance(weights, (str, Path)) else weights
-            index = weights.index
-            try:
-                if link_file(weights.bin.resolve(), tmp / rel, copy_up_to=COPY_BELOW) == "copy":
-                    report.bytes_written = (tmp / rel).stat().st_size
-            except OSError:  # another filesystem: one copy for this folder
-                report.bytes_written = copy_file(weights.bin, tmp / rel)
-        new_nodes: list[onnx.NodeProto] = []
-        weight_nodes: list[onnx.NodeProto] = []  # weight DQ (+ Cast): first, their Transpose comes before the MatMul
-        qdq_of: dict[str, str] = {}  # activation -> its DQ output
-        zero = helper.make_tensor("fp8_zero_point", TensorProto.FLOAT8E4M3FN, [], [0])
-        g.initializer.append(zero)
-        for node in g.node:
-            if node.op_type == "MatMul" and node.input[1] in producer and producer[node.input[1]].op_type == "Transpose":
-                tr = producer[node.input[1]]
-                wname = tr.input[0]
-                if wname in index:
-                    w8, s = _fp8_pair(wname, index[wname], rel)
-                    g.initializer.extend([w8, s])
-                    weight_nodes.append(helper.make_node("DequantizeLinear", [w8.name, s.name], [f"{wname}.dq"],
-                                                         axis=0, name=f"{wname}.DequantizeLinear"))
-                    if art.dtype != "fp32":
-                        weight_nodes.append(helper.make_node("Cast", [f"{wname}.dq"], [f"{wname}.dq.cast"],
-                                                          to=TensorProto.BFLOAT16))
-                    tr.input[0] = f"{wname}.dq" if art.dtype == "fp32" else f"{wname}.dq.cast"
-                    x = node.input[0]
-                    if x not in qdq_of:
-                        qdq_of[x] = _activation_qdq(new_nodes, g, x, amax[wname], report, art.dtype)
-                    node.input[0] = qdq_of[x]
-                    report.gemms += 1
-            if node.op_type == CORESET_MOE.name and node.domain == NAMESPACE:
-                args = []
-                for wname in node.input[2:4]:
-                    if wname not in index:
-                        raise CloverError("fp8", f"{node.name}: no FP8 weights for {wname}", "an exporter bug")
-                    w8, s = _fp8_pair(wname, index[wname], rel)
-                    g.initializer.extend([w8, s])
-                    args += [w8.name, s.name]
-                    report.expert_tensors += 1
-                node.op_type = CORESET_MOE_FP8.name  # same attributes; inputs in the FP8 contract's order
-                del node.input[2:]
-                node.input.extend(args)
-            new_nodes.append(node)
-        _replace_nodes(g, _live(weight_nodes + new_nodes, [o.name for o in g.output]))
-        used_names = {i for n in g.node for i in n.input}
-        kept = [i for i in g.initializer if i.name in used_names]
-        del g.initializer[:]
-        g.initializer.extend(kept)
-        linked = _link_source_files(g, art.dir, tmp)
-        from clover_export.artifact.manifest import COMPANION_FILES
-
-        for fname in COMPANION_FILES:  # tokenizer and generation defaults travel with every artefact
-            if (art.dir / fname).is_file():
-                shutil.copyfile(art.dir / fname, tmp / fname)
-        used = _attach_functions(proto, function_proto(CORESET_MOE_FP8))
-        onnx.save(proto, str(tmp / "model.onnx"))
+    dest = ArtifactWriter(out_dir, "fp8", command="quantize", what="the FP8 graph", force=force,
+                          model_dirs=[art.dir])
+    source, source_map = onnx.load(str(art.graph_path), load_external_data=False), read_weight_map(art)
+    with dest:
+        index, bytes_written = _place_fp8_weights(art, dest.dir, weights, include_lm_head)
+        proto, report = rewrite_fp8(source, amax, index, art.dtype, include_lm_head=include_lm_head)
+        report.bytes_written = bytes_written
+        linked = _link_source_files(proto.graph, art.dir, dest.dir)
         manifest = dict(art.manifest)
         manifest["quantization"] = {**report.to_dict(), "source": str(art.dir.resolve())}
-        manifest["ops"] = manifest_entry(used)
-        manifest["weights"] = {**manifest["weights"], "fp8_file": rel, "source_files": linked}
-        manifest.pop("tensorrt", None)
-        if art.dtype != "fp32" and art.weights_mode != "map":  # engine-bound: the graph TensorRT parses
-            from clover_export.artifact.manifest import pool_len
-            from clover_export.exporter.trt_graph import write_trt_graph
-
-            manifest["tensorrt"] = write_trt_graph(tmp, proto, art.config.num_experts,
-                                                   pool_len(art.manifest, art.config.max_context))
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        fp8_map = {k: v for k, v in wmap.items() if k in used_names}
-        for t in g.initializer:
-            if t.data_location == TensorProto.EXTERNAL and t.name not in fp8_map:
-                ext = {e.key: e.value for e in t.external_data}
-                fp8_map[t.name] = {"file": ext["location"], "offset": int(ext["offset"]), "length": int(ext["length"]),
-                                   "dtype": "F8_E4M3" if t.data_type == TensorProto.FLOAT8E4M3FN else "F32",
-                                   "shape": list(t.dims)}
-        (tmp / "weights.json").write_text(json.dumps({"mode": art.weights_mode, "tensors": fp8_map}, indent=2))
-        commit_dir(tmp, out_dir, "fp8", command="quantize", force=force, model_dirs=[art.dir])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        manifest["ops"] = manifest_entry(custom_ops(proto))
+        manifest["weights"] = {**manifest["weights"], "fp8_file": FP8_FILE, "source_files": linked}
+        engine_bound = art.dtype != "fp32" and art.weights_mode != "map"
+        dest.write(proto, manifest, {"mode": art.weights_mode, "tensors": fp8_weight_map(proto, source_map)},
+                   companions_from=art.dir,
+                   tensorrt_pool_len=artifact_pool_len(art.manifest, art.config.max_context) if engine_bound else None)
+        dest.commit()
     return report
+
+
+def _place_fp8_weights(art, folder: Path, weights, include_lm_head: bool) -> tuple[dict[str, dict], int]:
+    """FOLDER/weights/fp8.bin: the shared file linked (copied when small or on another filesystem), or
+    this graph's own quantized here; returns its index and the bytes written."""
+    (folder / WEIGHTS_DIR).mkdir()
+    dst = folder / FP8_FILE
+    if weights is None:
+        own = fp8_weights.quantize_weights(source_plans(art), fp8_weight_names(art.config, include_lm_head),
+                                           folder / ".fp8")
+        (own.dir / FP8_BIN).rename(dst)
+        shutil.rmtree(own.dir)
+        return own.index, own.bytes_written
+    weights = fp8_weights.load_fp8_weights(Path(weights)) if isinstance(weights, (str, Path)) else weights
+    try:
+        copied = link_file(weights.bin.resolve(), dst, copy_up_to=COPY_BELOW) == "copy"
+        return weights.index, dst.stat().st_size if copied else 0
+    except OSError:  # another filesystem: one copy for this folder
+        return weights.index, copy_file(weights.bin, dst)
+
+
+def rewrite_fp8(proto: onnx.ModelProto, amax: dict[str, float], index: dict[str, dict], dtype: str,
+                include_lm_head: bool = False, location: str = FP8_FILE) -> tuple[onnx.ModelProto, Fp8Report]:
+    """The FP8 graph of an exported step graph (module docstring), without touching the disk or `proto`.
+
+    amax: calibrated input range by weight name (`calibrate`); index: the FP8 weights' offsets in fp8.bin
+    by weight name (`quantize.weights.Fp8Weights.index`: the weights it names are the ones replaced);
+    dtype: the source graph's ("fp32" | "bf16"); location: where the new initializers read fp8.bin,
+    relative to the graph. Returns the new graph and its report (bytes_written left 0)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    g = out.graph
+    report = Fp8Report(include_lm_head=include_lm_head)
+    producer = {o: n for n in g.node for o in n.output}
+    new_nodes: list[onnx.NodeProto] = []
+    weight_nodes: list[onnx.NodeProto] = []  # weight DQ (+ Cast): first, their Transpose comes before the MatMul
+    qdq_of: dict[str, str] = {}  # activation -> its DQ output
+    g.initializer.append(helper.make_tensor("fp8_zero_point", TensorProto.FLOAT8E4M3FN, [], [0]))
+    for node in g.node:
+        if node.op_type == "MatMul" and node.input[1] in producer and producer[node.input[1]].op_type == "Transpose":
+            tr = producer[node.input[1]]
+            wname = tr.input[0]
+            if wname in index:
+                w8, s = _fp8_pair(wname, index[wname], location)
+                g.initializer.extend([w8, s])
+                weight_nodes.append(helper.make_node("DequantizeLinear", [w8.name, s.name], [f"{wname}.dq"],
+                                                     axis=0, name=f"{wname}.DequantizeLinear"))
+                if dtype != "fp32":
+                    weight_nodes.append(helper.make_node("Cast", [f"{wname}.dq"], [f"{wname}.dq.cast"],
+                                                         to=TensorProto.BFLOAT16))
+                tr.input[0] = f"{wname}.dq" if dtype == "fp32" else f"{wname}.dq.cast"
+                x = node.input[0]
+                if x not in qdq_of:
+                    qdq_of[x] = _activation_qdq(new_nodes, g, x, amax[wname], report, dtype)
+                node.input[0] = qdq_of[x]
+                report.gemms += 1
+        if node.op_type == CORESET_MOE.name and node.domain == NAMESPACE:
+            args = []
+            for wname in node.input[2:4]:
+                if wname not in index:
+                    raise CloverError("fp8", f"{node.name}: no FP8 weights for {wname}", "an exporter bug")
+                w8, s = _fp8_pair(wname, index[wname], location)
+                g.initializer.extend([w8, s])
+                args += [w8.name, s.name]
+                report.expert_tensors += 1
+            node.op_type = CORESET_MOE_FP8.name  # same attributes; inputs in the FP8 contract's order
+            del node.input[2:]
+            node.input.extend(args)
+        new_nodes.append(node)
+    _replace_nodes(g, _live(weight_nodes + new_nodes, [o.name for o in g.output]))
+    read = {i for n in g.node for i in node_reads(n)}
+    kept = [i for i in g.initializer if i.name in read]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    _attach_functions(out, function_proto(CORESET_MOE_FP8))
+    return out, report
+
+
+def fp8_weight_map(proto: onnx.ModelProto, source_map: dict[str, dict]) -> dict[str, dict]:
+    """The FP8 graph's weight map: the source's entries its initializers still read, plus the new
+    external ones (e4m3 weights and fp32 scales in fp8.bin)."""
+    read = {i for n in proto.graph.node for i in node_reads(n)}
+    out = {k: v for k, v in source_map.items() if k in read}
+    for t in proto.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL and t.name not in out:
+            ext = {e.key: e.value for e in t.external_data}
+            out[t.name] = {"file": ext["location"], "offset": int(ext["offset"]), "length": int(ext["length"]),
+                           "dtype": "F8_E4M3" if t.data_type == TensorProto.FLOAT8E4M3FN else "F32",
+                           "shape": list(t.dims)}
+    return out
+
+
+def custom_ops(proto: onnx.ModelProto) -> list[str]:
+    """The `clover` ops the graph's nodes call, sorted."""
+    return sorted({n.op_type for n in proto.graph.node if n.domain == NAMESPACE})
 
 
 def _live(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProto]:
@@ -256,18 +272,8 @@ def _live(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProt
     for n in reversed(nodes):
         if any(o in needed for o in n.output):
             keep.append(n)
-            needed.update(_inputs(n))
+            needed.update(node_reads(n))
     return keep[::-1]
-
-
-def _inputs(node: onnx.NodeProto) -> set[str]:
-    """A node's inputs, including the outer-scope names its subgraphs (If / Loop bodies) read."""
-    out = {i for i in node.input if i}
-    for a in node.attribute:
-        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            for n in sub.node:
-                out |= _inputs(n)
-    return out
 
 
 def _activation_qdq(nodes, g, x: str, amax: float, report: Fp8Report, dtype: str) -> str:
@@ -286,13 +292,12 @@ def _activation_qdq(nodes, g, x: str, amax: float, report: Fp8Report, dtype: str
     return f"{x}.dq.cast"
 
 
-def _attach_functions(proto: onnx.ModelProto, fp8: onnx.FunctionProto) -> list[str]:
-    """Attach the CoresetMoEFP8 function, keep only the functions some node calls; returns the custom ops used."""
-    used = {n.op_type for n in proto.graph.node if n.domain == NAMESPACE}
+def _attach_functions(proto: onnx.ModelProto, fp8: onnx.FunctionProto) -> None:
+    """Attach the CoresetMoEFP8 function, keep only the functions some node calls."""
+    used = set(custom_ops(proto))
     kept = [f for f in proto.functions if f.domain == NAMESPACE and f.name in used and f.name != fp8.name]
     del proto.functions[:]
     proto.functions.extend(kept + ([fp8] if fp8.name in used else []))
-    return sorted(used)
 
 
 def _replace_nodes(g, nodes) -> None:
@@ -303,15 +308,12 @@ def _replace_nodes(g, nodes) -> None:
 def _link_source_files(g, src_dir: Path, dst_dir: Path) -> dict[str, str]:
     """Give the new folder every in-folder file the remaining initializers read: reflink or hard link
     (zero copy), else copy. ONNX and ONNX Runtime only read external data inside the model's folder."""
-    from clover_export.artifact.manifest import COPY_BELOW
-    from clover_export.exporter.weights import copy_file, link_file
-
     how = {}
     for t in g.initializer:
         if t.data_location != TensorProto.EXTERNAL:
             continue
         loc = next(e.value for e in t.external_data if e.key == "location")
-        if loc in how or loc == f"weights/{FP8_BIN}" or not (src_dir / loc).exists():
+        if loc in how or loc == FP8_FILE or not (src_dir / loc).exists():
             continue  # absent: a `map` entry, fed from the checkpoint by `ort_session`
         dst = dst_dir / loc
         dst.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""FP8 (e4m3fn) quantisation math (STEP_GRAPH.md 4): per-output-channel weight scales, per-tensor activation scales.
+"""FP8 (e4m3fn) quantization math (STEP_GRAPH.md 4): per-output-channel weight scales, per-tensor activation scales.
 
 Scales follow ONNX QuantizeLinear: q = saturate(round(x / scale)), x' = q * scale,
 with float8e4m3fn saturating at +-448. A zero channel gets scale 1 (any scale
@@ -27,7 +27,8 @@ def activation_scale(amax: float) -> float:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale rounded to e4m3fn (round-to-nearest-even), saturated at +-448; scale broadcasts on the last-but-one dim."""
+    """x / scale rounded to e4m3fn (round-to-nearest-even), saturated at +-448; scale broadcasts on the
+    last-but-one dim."""
     s = scale.float().unsqueeze(-1) if scale.dim() else scale.float()
     return (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
 

@@ -1,4 +1,4 @@
-"""The reference model run one decoder layer at a time, its weights streamed from the checkpoint (issue 11).
+"""The reference model run one decoder layer at a time, its weights streamed from the checkpoint.
 
 FP8 calibration of the 35B model cannot hold the whole reference model in
 memory (~130 GB in fp32). `streamed_model` builds the usual `CloverModel`
@@ -82,7 +82,8 @@ def routed_moe_core(x, router_w, gate_up, down, top_k: int, top_p: float, corese
     for e in torch.nonzero(picked.any(0)).flatten().tolist():
         rows = torch.nonzero(picked[:, e]).flatten()
         gate, up = F.linear(flat[rows], expert_weight(gate_up[e], x.dtype, bufs)).chunk(2, dim=-1)
-        out.index_add_(0, rows, F.linear(F.silu(gate) * up, expert_weight(down[e], x.dtype, bufs)) * weights[rows, e:e + 1])
+        y = F.linear(F.silu(gate) * up, expert_weight(down[e], x.dtype, bufs))
+        out.index_add_(0, rows, y * weights[rows, e:e + 1])
     distinct = chosen[:, Tc:].any(dim=1).sum(-1).to(torch.int32)
     return out.reshape(B, T, D), distinct
 
@@ -135,14 +136,16 @@ def embedding_as_stored(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 class _LayerLoader:
     """Decoder layers' weights, read from the checkpoint one layer at a time, the next layer read ahead in a
-    thread while the current one runs (reading 1.6 GiB of experts is as long as running them on this CPU).
+    thread while the current one runs (on a CPU, reading a layer's 1.6 GiB of experts takes about as long as
+    running them).
 
     Reads go past the page cache (`direct_io`: a pass over 64 GiB of experts gains nothing from it on a
     24 GB machine). Routed experts are read into one of two reused arenas (the layer running, the layer
     being read) and used from there as stored (`DirectReader.read_views`), so nothing copies them;
     `experts` is the running layer's (gate_up, down), set by its pre-hook. The other weights are cast
-    into two more (`dense`): no layer allocates afresh (fresh pages cost the kernel ~1-2 s a GiB on the
-    2-core box: 11 GiB over the 80 layer loads, bench/README.md)."""
+    into two more (`dense`): no layer allocates afresh (11 GiB of fresh pages over the 80 layer loads, at
+    ~1-2 s of kernel time a GiB where measured: bench/results/HISTORY.md, "Why fresh pages";
+    `python bench/build_fullsize.py`)."""
 
     def __init__(self, plans: dict, model: torch.nn.Module, dtype: torch.dtype, device: str, direct: bool = True):
         self.plans, self.dtype, self.device = plans, dtype, device

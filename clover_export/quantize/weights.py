@@ -1,4 +1,4 @@
-"""FP8 weights written once, streamed tensor by tensor (STEP_GRAPH.md 4; issue 11).
+"""FP8 weights written once, streamed tensor by tensor (STEP_GRAPH.md 4).
 
 `quantize_weights` reads every FP8 GEMM weight of a checkpoint straight from
 its memory-mapped shards -- one tensor at a time, one expert at a time for
@@ -116,7 +116,7 @@ class Cancelled(Exception):
 
 def quantize_weights(plans: dict[str, TensorPlan], targets: list[str], out: Path,
                      progress: Callable | None = None, cancel=None) -> Fp8Weights:
-    """Quantise `targets` (names of `plans`) into OUT/fp8.bin + fp8.json, atomically (module docstring).
+    """Quantize `targets` (names of `plans`) into OUT/fp8.bin + fp8.json, atomically (module docstring).
     `cancel`: a `threading.Event` checked before each piece (tensor or expert); when set, nothing is left written."""
     from clover_export.core.atomic import replace_dir
 
