@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from clover_export.pipeline.build import FP8_MIN_AGREEMENT
 from clover_export.tensorrt.builder import tensorrt_version
+from clover_export.testing.logs import log_lines
+from clover_export.verify.agreement import FP8_MIN_AGREEMENT
 
 
 def run(*args):
@@ -73,9 +74,8 @@ def test_fp8_below_the_gate_fails_the_build_before_the_engine_stage(built, monke
         path.write_text(json.dumps(data))
         bad = agreement.Agreement(384, 0.95, 5.5, 0.3)
         monkeypatch.setattr(agreement, "agreement", lambda *a, **k: bad)
-        logged = []
-        with pytest.raises(CloverError) as e:
-            B.build(None, out, B.BuildOptions(precision="fp8", max_batch=2), log=logged.append)
+        with pytest.raises(CloverError) as e, log_lines() as logged:
+            B.build(None, out, B.BuildOptions(precision="fp8", max_batch=2))
         assert bad.line() in str(e.value) and "no engine was built" in str(e.value)
         assert not any(line.startswith("[engine]") for line in logged), logged
         # the figures were recorded: a re-run reuses them and fails the same way, on one line
@@ -122,6 +122,7 @@ def test_every_problem_is_reported_at_once_before_any_work(tiny_dir, tmp_path, m
     from clover_export.exporter import export as export_module
     from clover_export.pipeline import build as B
     from clover_export.pipeline import disk_plan
+    from clover_export.pipeline.doctor import engine_blocker
 
     model = shutil.copytree(tiny_dir, tmp_path / "model", ignore=shutil.ignore_patterns("tokenizer.json"))
     config = json.loads((model / "config.json").read_text())
@@ -132,15 +133,14 @@ def test_every_problem_is_reported_at_once_before_any_work(tiny_dir, tmp_path, m
     monkeypatch.setattr(disk_plan, "free_bytes", lambda path: 2**20)
     monkeypatch.setattr(export_module, "export", lambda *a, **k: pytest.fail("a stage ran"))
     before = sorted(p.name for p in tmp_path.iterdir())
-    logged: list[str] = []
     opts = B.BuildOptions(precision="fp8", max_batch=2, calib=str(calib), gpu_memory_gib=0.5, require_engine=True,
                           weights="map")
-    with pytest.raises(CloverError) as e:
-        B.build(model, tmp_path / "out", opts, log=logged.append)
+    with pytest.raises(CloverError) as e, log_lines() as logged:
+        B.build(model, tmp_path / "out", opts)
     expected = [f"{model / 'tokenizer.json'}: file not found", f"{calib}: expected prompts",
                 "field 'mask_token_id' is missing", "the engine does not fit in GPU memory",
                 "not enough free disk space", "--weights map: a build's graphs need their weights in weights/"]
-    if B.engine_blocker("fp8"):
+    if engine_blocker("fp8"):
         expected.append("--require-engine: no engine can be built here")
     head, *lines = str(e.value).splitlines()
     problems = [line for line in lines if line.startswith("  - [")]
@@ -229,3 +229,18 @@ def test_every_graph_of_a_small_build_loads_in_plain_onnx(built):
     for g in graphs:
         onnx.checker.check_model(str(g), full_check=False)
         onnx.load(str(g))  # every external tensor read
+
+
+def test_the_command_and_the_api_share_their_defaults():
+    """`clover-export build`'s options default to BuildOptions' fields (one place); fp8 for both, as the README's
+    first build (`clover-export build --out build/tiny`) calibrates and quantizes."""
+    import dataclasses
+
+    from clover_export.cli.build import build as command
+    from clover_export.pipeline.build import BuildOptions
+
+    fields = {f.name: f.default for f in dataclasses.fields(BuildOptions)}
+    options = {("gpu_memory_gib" if p.name == "gpu_memory" else p.name): p.default for p in command.params
+               if p.name not in ("model", "out")}
+    assert options == fields
+    assert BuildOptions().precision == "fp8"

@@ -19,7 +19,10 @@ from onnx import TensorProto
 
 from clover_export.core.errors import CloverError
 from clover_export.pipeline import build as B
+from clover_export.pipeline.checks import validation_mode
+from clover_export.pipeline.context import Stages
 from clover_export.quantize import weights as fp8_weights
+from clover_export.testing.logs import log_lines
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 OPTS = dict(precision="fp8", max_batch=2, max_context=64, chunk=16, validation="slice")
@@ -66,15 +69,16 @@ def resumed(model, tmp_path_factory):
     mp.setattr(fp8_weights, "quantize_weight", interrupting)
     mp.setattr(stream_calib, "streamed_model", recording(0))
     try:
-        with pytest.raises(KeyboardInterrupt):
-            B.build(model, out, B.BuildOptions(**OPTS), log=logs[0].append)
+        with pytest.raises(KeyboardInterrupt), log_lines() as logs[0]:
+            B.build(model, out, B.BuildOptions(**OPTS))
     finally:
         mp.undo()
     state = {"stages": json.loads((out / "build.json").read_text())["stages"],
              "entries": sorted(p.name for p in out.iterdir()), "handed": handed}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stream_calib, "streamed_model", recording(1))
-        B.build(model, out, B.BuildOptions(**OPTS), log=logs[1].append)
+        with log_lines() as logs[1]:
+            B.build(model, out, B.BuildOptions(**OPTS))
     return out, logs, state
 
 
@@ -121,8 +125,8 @@ def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model
 
     monkeypatch.setattr(fp8_weights, "quantize_weight", slow)
     monkeypatch.setattr(fp8, "calibrate", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        B.build(model, out, B.BuildOptions(**OPTS), log=logs[0].append)
+    with pytest.raises(KeyboardInterrupt), log_lines() as logs[0]:
+        B.build(model, out, B.BuildOptions(**OPTS))
     assert any("writing in the background" in line for line in logs[0])
     assert not [t for t in threading.enumerate() if t.name == "fp8-weights"]
     entries = sorted(p.name for p in out.iterdir())
@@ -139,14 +143,14 @@ def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model
     monkeypatch.setattr(fp8, "calibrate", fails_after_the_writer)
     (out / ".fp8-weights.killed").mkdir()  # as a writer killed outright (SIGKILL) leaves its temp folder
     (out / ".fp8-weights.killed" / fp8_weights.FP8_BIN).write_bytes(b"partial")
-    with pytest.raises(RuntimeError, match="calibration failed"):
-        B.build(model, out, B.BuildOptions(**OPTS), log=logs[1].append)
+    with pytest.raises(RuntimeError, match="calibration failed"), log_lines() as logs[1]:
+        B.build(model, out, B.BuildOptions(**OPTS))
     assert "fp8-weights" in json.loads((out / "build.json").read_text())["stages"]
     assert (out / "fp8-weights" / fp8_weights.FP8_BIN).exists()
     assert not (out / ".fp8-weights.killed").exists()
     # recorded under the key a finished build of the same model and options records (so the next run reuses it)
     finished = json.loads((resumed[0] / "build.json").read_text())["stages"]["fp8-weights"]["key"]
-    assert B.Stages(out).done("fp8-weights", finished, out / "fp8-weights")
+    assert Stages(out).done("fp8-weights", finished, out / "fp8-weights")
 
 
 # --- no fp32 weight copy, FP8 weights once ------------------------------------------------
@@ -272,9 +276,9 @@ def test_auto_validation_picks_slices_when_the_whole_graph_does_not_fit(model, m
 
     cfg = load_config(model)
     monkeypatch.setattr(S, "available_memory", lambda: 10 * S.whole_validation_bytes(cfg))
-    assert B.validation_mode(cfg, B.BuildOptions())[0] is True
+    assert validation_mode(cfg, B.BuildOptions())[0] is True
     monkeypatch.setattr(S, "available_memory", lambda: S.whole_validation_bytes(cfg))
-    whole, why = B.validation_mode(cfg, B.BuildOptions())
+    whole, why = validation_mode(cfg, B.BuildOptions())
     assert whole is False and "GiB" in why
 
 
@@ -445,9 +449,8 @@ def test_disk_plan_refuses_up_front_with_the_figures(model, tmp_path, monkeypatc
 
     monkeypatch.setattr(disk_plan, "free_bytes", lambda path: 100 * 2**20)
     out = tmp_path / "out"
-    logged: list[str] = []
-    with pytest.raises(CloverError) as e:
-        B.build(model, out, B.BuildOptions(**OPTS), log=logged.append)
+    with pytest.raises(CloverError) as e, log_lines() as logged:
+        B.build(model, out, B.BuildOptions(**OPTS))
     msg = str(e.value)
     assert msg.startswith("[build] not enough free disk space") and "fp8-weights" in msg and "0.10 GiB free" in msg
     assert msg.count("\n") == 1 and msg.endswith("Note: nothing was written")  # one line (and the note)

@@ -209,7 +209,7 @@ def test_map_mode_cannot_reach_tensorrt(bf16_export, tmp_path):
     assert not any("refit" in str(f) for f in check_folder(out).findings)  # no refit-from-the-map path exists
     # a build refuses map-mode weights before its first stage, and writes nothing
     with pytest.raises(CloverError, match="map mode references the checkpoint in place, which TensorRT cannot"):
-        build(model, tmp_path / "b", BuildOptions(precision="bf16", weights="map"), print)
+        build(model, tmp_path / "b", BuildOptions(precision="bf16", weights="map"))
     assert not (tmp_path / "b").exists()
 
 
@@ -255,20 +255,21 @@ def broken_tensorrt(tmp_path, monkeypatch):
 
 
 def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_export, tmp_path):
-    from clover_export.pipeline.build import BuildOptions, BuildResult, Stages, engine_stage
+    from clover_export.pipeline.context import BuildContext, BuildOptions, Stages
+    from clover_export.pipeline.stages import engine
     from clover_export.tensorrt.builder import import_tensorrt, probe_tensorrt
+    from clover_export.testing.logs import log_lines
 
     assert probe_tensorrt() == (None, f"ImportError: {BROKEN}")
     with pytest.raises(CloverError, match="installed but cannot be imported.*libnvinfer.so.10") as e:
         import_tensorrt()
     assert "not installed" not in str(e.value)
     _, out = bf16_export
-    logged = []
-    engine_stage(tmp_path, out, None, BuildOptions(), 64, (), Stages(tmp_path), BuildResult(tmp_path), logged.append)
+    with log_lines() as logged:  # the engine stage of a build in tmp_path, of the graph `out`
+        BuildContext(BuildOptions(), tmp_path, Stages(tmp_path)).run(engine(str(out)))
     assert any("skipped: TensorRT is installed but cannot be imported" in m and "libnvinfer" in m for m in logged)
     with pytest.raises(CloverError, match="no engine was built: TensorRT is installed but cannot be imported"):
-        engine_stage(tmp_path, out, None, BuildOptions(require_engine=True), 64, (), Stages(tmp_path),
-                     BuildResult(tmp_path), logged.append)
+        BuildContext(BuildOptions(require_engine=True), tmp_path, Stages(tmp_path)).run(engine(str(out)))
     r = subprocess.run([sys.executable, "-m", "clover_export.cli", "doctor"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": f"{broken_tensorrt}:{Path(__file__).parents[1]}"})
     assert "tensorrt: installed but broken (ImportError: libnvinfer.so.10" in r.stdout, r.stdout + r.stderr

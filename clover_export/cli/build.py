@@ -6,6 +6,11 @@ import json
 
 import click
 
+from clover_export.cli import quiet
+from clover_export.pipeline.context import BuildOptions
+
+BUILD = BuildOptions()  # the options' defaults: one place for the command and the Python API
+
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON.")
@@ -38,7 +43,8 @@ def gpu_plans(facts) -> dict:
     from clover_export.core.step_shape import PREFILL_CHUNK
     from clover_export.tensorrt.memory_plan import plan_memory
 
-    cfg = config_from_dict(_json.loads(resources.files("clover_export").joinpath("data/clover_35b_a3b_config.json").read_text()))
+    config = resources.files("clover_export").joinpath("data/clover_35b_a3b_config.json")
+    cfg = config_from_dict(_json.loads(config.read_text()))
     mem = facts.gpus[0]["memory"]
     return {p: plan_memory(cfg, p, 1, cfg.max_context, PREFILL_CHUNK, mem).max_batch_that_fits()
             for p in ("bf16", "fp8")}
@@ -53,24 +59,33 @@ def plans_lines(plans: dict) -> list[str]:
 
 @click.command()
 @click.argument("model", required=False, default=None)
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Build folder: new, empty, or an earlier build (re-running reuses what matches).")
-@click.option("--precision", type=click.Choice(["bf16", "fp8"]), default="fp8", show_default=True,
-              help="Engine precision. fp8: e4m3 GEMM and expert weights with per-channel scales, calibrated activations.")
-@click.option("--max-batch", type=int, default=8, show_default=True, help="Batch rows per step = cache slots.")
-@click.option("--max-context", type=int, default=None, help="Cached positions per slot (default: the model's max_context).")
-@click.option("--chunk", type=int, default=256, show_default=True, help="Prefill chunk (causal rows per step).")
-@click.option("--weights", type=click.Choice(["link", "copy"]), default="link", show_default=True,
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Build folder: new, empty, or an earlier build (re-running reuses what matches).")
+@click.option("--precision", type=click.Choice(["bf16", "fp8"]), default=BUILD.precision, show_default=True,
+              help="Engine precision. fp8: e4m3 GEMM and expert weights with per-channel scales, calibrated "
+                   "activations.")
+@click.option("--max-batch", type=int, default=BUILD.max_batch, show_default=True,
+              help="Batch rows per step = cache slots.")
+@click.option("--max-context", type=int, default=BUILD.max_context,
+              help="Cached positions per slot (default: the model's max_context).")
+@click.option("--chunk", type=int, default=BUILD.chunk, show_default=True, help="Prefill chunk (causal rows per step).")
+@click.option("--weights", type=click.Choice(["link", "copy"]), default=BUILD.weights, show_default=True,
               help="How the graphs reference the checkpoint (see `clover-export export --help`; not map: TensorRT "
                    "reads the weights from files beside the graph).")
-@click.option("--calib", type=click.Path(dir_okay=False, exists=True), default=None,
+@click.option("--calib", type=click.Path(dir_okay=False, exists=True), default=BUILD.calib,
               help="Calibration prompts for fp8 (one per line, or a JSON list); default: a small built-in set.")
-@click.option("--gpu-memory", type=float, default=None, help="GPU memory in GiB for the memory plan (default: the GPU's).")
-@click.option("--strip-weights", is_flag=True, help="Weight-stripped plan, refitted from the ONNX graph at load.")
-@click.option("--require-engine", is_flag=True,
+@click.option("--gpu-memory", type=float, default=BUILD.gpu_memory_gib,
+              help="GPU memory in GiB for the memory plan (default: the GPU's).")
+@click.option("--strip-weights", is_flag=True, default=BUILD.strip_weights,
+              help="Weight-stripped plan, refitted from the ONNX graph at load.")
+@click.option("--require-engine", is_flag=True, default=BUILD.require_engine,
               help="Exit non-zero, before any work, when no TensorRT engine can be built here.")
-@click.option("--allow-qwen", is_flag=True, help="Allow a plain Qwen3.5-MoE checkpoint (Clover tensors zero-filled).")
-@click.option("--force", is_flag=True, help="Redo every stage of an earlier build in OUT instead of reusing it.")
-@click.option("--validation", type=click.Choice(["auto", "whole", "slice"]), default="auto", show_default=True,
+@click.option("--allow-qwen", is_flag=True, default=BUILD.allow_qwen,
+              help="Allow a plain Qwen3.5-MoE checkpoint (Clover tensors zero-filled).")
+@click.option("--force", is_flag=True, default=BUILD.force,
+              help="Redo every stage of an earlier build in OUT instead of reusing it.")
+@click.option("--validation", type=click.Choice(["auto", "whole", "slice"]), default=BUILD.validation,
+              show_default=True,
               help="whole: every graph against the reference model in ONNX Runtime (~5x the bf16 weights in RAM); "
                    "slice: the first layer of each kind (with embedding, norm, lm_head) at full width; "
                    "auto: whole when it fits in half the memory.")
@@ -84,7 +99,7 @@ def build(model, out, precision, max_batch, max_context, chunk, weights, calib, 
     once, one line each, and nothing is written.
 
     Stages: export (fp32 and bf16 step graphs) -> ONNX Runtime
-    validation against the reference model -> (fp8: calibrate, quantise,
+    validation against the reference model -> (fp8: calibrate, quantize,
     measure top-1 agreement with the fp32 graph; below 97% the build fails
     with the figures; compare the TensorRT-bound twin with it) -> TensorRT
     engine. Where TensorRT or a GPU is missing the engine stage is skipped
@@ -98,14 +113,14 @@ def build(model, out, precision, max_batch, max_context, chunk, weights, calib, 
     width instead, while the bf16 graph is exported in a background process.
     Ctrl-C keeps finished stages; re-running continues.
     """
-    from clover_export.pipeline.build import BuildOptions
     from clover_export.pipeline.build import build as run_build
 
     opts = BuildOptions(precision=precision, max_batch=max_batch, max_context=max_context, chunk=chunk,
                         weights=weights, calib=calib, gpu_memory_gib=gpu_memory, strip_weights=strip_weights,
                         require_engine=require_engine, allow_qwen=allow_qwen, force=force, validation=validation)
     try:
-        res = run_build(model, out, opts, log=click.echo)
+        with quiet("clover_export.exporter", "clover_export.verify"):  # one line per stage: not theirs too
+            res = run_build(model, out, opts)
     except KeyboardInterrupt:  # every stage writes atomically: the finished ones stay reusable
         click.echo(f"build interrupted: finished stages are kept in {out} (build.json); run the same command "
                    "again to continue", err=True)

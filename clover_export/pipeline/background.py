@@ -1,4 +1,4 @@
-"""Build stages run beside the others (issue 11): the FP8 weight file in a thread, the bf16 export in a process.
+"""Build stages run beside the others: the FP8 weight file in a thread, the bf16 export in a process.
 
 Writing 30.7 GiB of e4m3 weights is disk-bound (the process mostly waits on
 writeback), while exporting, validating and calibrating keep both cores
@@ -20,11 +20,13 @@ validation and the calibration. The child writes its folder atomically, as
 and errors come back through a pipe. (Measured with the fp32 export in the
 child too, the slice validation then tracing its own graph: 221 s instead
 of 216 s, the slice slowed 55 -> 98 s by the exports beside it. The build
-is CPU-bound there: ~360 CPU-seconds on 2 cores.)
+is CPU-bound there: ~360 CPU-seconds on 2 cores; `bench/build_fullsize.py`.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -33,6 +35,38 @@ import time
 from pathlib import Path
 
 from clover_export.core.errors import CloverError
+from clover_export.pipeline.context import BuildContext
+from clover_export.pipeline.stages import export_args, fp8_weights_record
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def beside_the_stages(ctx: BuildContext):
+    """Run the FP8 weight writer (fp8, unless reused) and, with slice validation, the bf16 export (unless
+    reused) beside the stages in the block; collected by their stages (`FP8_WEIGHTS`, `export_graph("bf16")`).
+    Leaving the block, whatever is still running is stopped and leaves nothing written; a weight file that
+    finished before a later stage failed is recorded, for the next run to reuse."""
+    weights_key, weights_dir = ctx.keys.get("fp8-weights"), ctx.out / "fp8-weights"
+    if ctx.fp8 and not ctx.stages.done("fp8-weights", weights_key, weights_dir):
+        for stale in ctx.out.glob(".fp8-weights.*"):  # a writer killed outright (SIGKILL, power): its temporary folder
+            shutil.rmtree(stale, ignore_errors=True)
+        ctx.writer = BackgroundWeights(ctx.model_dir, ctx.cfg, weights_dir)  # disk-bound: beside the CPU-bound stages
+        log.info("[quantize] fp8-weights: writing in the background (disk-bound) while the graphs are exported, "
+                 "validated and calibrated")
+    if not ctx.whole and not ctx.stages.done("export-bf16", ctx.keys["export-bf16"], ctx.out / "onnx-bf16"):
+        ctx.bf16_job = BackgroundExport(**export_args(ctx, "bf16"))  # Python-bound: beside the stages below
+        log.info("[export bf16] in a background process beside the stages below")
+    try:
+        yield
+    finally:
+        if ctx.bf16_job is not None:
+            ctx.bf16_job.stop()  # after a failure or Ctrl-C: its temporary folder removed; else it has finished
+        if ctx.writer is not None:
+            ctx.writer.stop()  # after a failure or Ctrl-C: nothing of it stays written; else it has finished
+            weights = ctx.writer.finished()
+            if weights is not None and not ctx.stages.done("fp8-weights", weights_key, weights_dir):
+                ctx.stages.record("fp8-weights", weights_key, fp8_weights_record(weights, ctx.writer.seconds))
 
 
 class BackgroundWeights:

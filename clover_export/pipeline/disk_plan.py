@@ -1,7 +1,7 @@
-"""Disk plan of a build: bytes each stage will write vs free space on OUT's filesystem (issue 11).
+"""Disk plan of a build: bytes each stage will write vs free space on OUT's filesystem.
 
 Checked with everything else `build` needs before anything is written
-(`build.check_inputs`): a plan that does not fit is one problem line.
+(`checks.check_inputs`): a plan that does not fit is one problem line.
 Stages already done with the same inputs (resume) write nothing. The
 figures: graphs and manifests (`GRAPH_BYTES`, a generous bound: the 35B
 graph proto is ~10 MB), shard copies under `--weights copy`, zero-filled

@@ -72,7 +72,8 @@ def capabilities(f: Facts) -> list[tuple[str, bool, str]]:
         ("export / check (ONNX graphs)", True, "needs only torch + onnx"),
         ("generate --backend torch", bool(f.torch), "reference model" + (" on CUDA" if gpu else " on CPU")),
         ("validate / generate --backend ort", bool(f.onnxruntime),
-         f"ONNX Runtime providers: {', '.join(f.ort_providers) or 'none'}" if f.onnxruntime else "onnxruntime not installed"),
+         f"ONNX Runtime providers: {', '.join(f.ort_providers) or 'none'}" if f.onnxruntime
+         else "onnxruntime not installed"),
     ]
     why = tensorrt_problem(f) or ("no CUDA GPU" if not gpu else f"TensorRT {f.tensorrt}")
     trt_ok = tensorrt_problem(f) is None and bool(gpu)
@@ -116,3 +117,15 @@ def engine_build_notes(f: Facts, environ=None) -> list[str]:
     gpu = f.gpus[0] if f.gpus else None
     usable = f.tensorrt if tensorrt_problem(f) is None else None
     return build_notes(usable, gpu["sm"][0] * 10 + gpu["sm"][1] if gpu else None, environ)
+
+
+def engine_blocker(precision: str, facts=None) -> str | None:
+    """Why no `precision` engine can be built on this machine, or None."""
+    facts = collect() if facts is None else facts
+    why = tensorrt_problem(facts)  # absent, broken (with the import error) or older than the floor (with the features)
+    if why is None and not facts.gpus:
+        why = "no CUDA GPU on this machine"
+    elif why is None and tuple(facts.gpus[0]["sm"]) < PRECISION_MIN_SM[precision]:
+        sm, need = facts.gpus[0]["sm"], "".join(map(str, PRECISION_MIN_SM[precision]))
+        why = f"{precision} engines need sm_{need}+, this GPU is sm_{sm[0]}{sm[1]}"
+    return why

@@ -8,8 +8,8 @@ project's machines (no TensorRT there) and says so plainly.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Callable
 
 from clover_export.core.atomic import atomic_write
 from clover_export.core.errors import CloverError
@@ -18,6 +18,8 @@ from clover_export.tensorrt.profiles import BuildSettings
 INSTALL_NOTE = "install the tensorrt wheel matching your CUDA (pip install tensorrt) on a machine with an NVIDIA GPU"
 BROKEN_NOTE = ("the tensorrt package is there but its import failed: check that the TensorRT and CUDA libraries "
                "(libnvinfer) it names are installed and on the library path (LD_LIBRARY_PATH), matching the wheel")
+
+log = logging.getLogger(__name__)
 
 
 def probe_tensorrt() -> tuple[str | None, str | None]:
@@ -137,7 +139,8 @@ def registration_problems(needed: set[str], available: bool, registered: tuple[s
     from clover_export.plugins.contracts import NAMESPACE
 
     if not available:
-        return [f"the clover plugins are not registered: tensorrt.plugin could not be imported{': ' + why if why else ''}"]
+        because = f": {why}" if why else ""
+        return [f"the clover plugins are not registered: tensorrt.plugin could not be imported{because}"]
     return [f"no plugin registered for {NAMESPACE}::{op}" for op in sorted(needed)
             if f"{NAMESPACE}::{op}" not in registered]
 
@@ -197,8 +200,7 @@ def _build_arch() -> int | None:
     return major * 10 + minor
 
 
-def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], settings: BuildSettings,
-                 log: Callable[[str], None] = print) -> dict:
+def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], settings: BuildSettings) -> dict:
     """Parse `model.trt.onnx` (plugins registered and checked), build one strongly typed engine, write the plan
     atomically. Every plugin is AOT: the plan runs without Python. Logs the FP8-flag and shared-memory choices."""
     import onnx
@@ -210,7 +212,8 @@ def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], set
     from clover_export.plugins import trt as clover_trt_plugins  # registers clover:: plugins
 
     if not Path(trt_onnx_path).exists():
-        raise CloverError("tensorrt", f"{trt_onnx_path}: missing", "export the folder again (bf16, --weights link/copy)")
+        raise CloverError("tensorrt", f"{trt_onnx_path}: missing",
+                          "export the folder again (bf16, --weights link/copy)")
     expected = dict(plugin_nodes(onnx.load(str(trt_onnx_path), load_external_data=False)))
     problems = registration_problems(set(expected), clover_trt_plugins.AVAILABLE, clover_trt_plugins.REGISTERED,
                                      clover_trt_plugins.IMPORT_ERROR)
@@ -226,7 +229,7 @@ def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], set
     except ValueError as e:
         raise CloverError("tensorrt", str(e), "nothing was built") from None
     for line in notes:
-        log(f"[engine] {line}")
+        log.info(f"[engine] {line}")
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 0

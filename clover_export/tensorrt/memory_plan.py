@@ -63,7 +63,8 @@ class MemoryPlan:
         ]
         if self.gpu_bytes is not None:
             verdict = "fits" if self.fits else "DOES NOT FIT"
-            out.append(f"  GPU usable          {g(self.usable)}  ({100 * (1 - HEADROOM):.0f}% of {self.gpu_bytes / GiB:.1f} GiB): {verdict}")
+            share = f"{100 * (1 - HEADROOM):.0f}% of {self.gpu_bytes / GiB:.1f} GiB"
+            out.append(f"  GPU usable          {g(self.usable)}  ({share}): {verdict}")
         return out
 
     def to_dict(self) -> dict:

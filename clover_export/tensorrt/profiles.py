@@ -1,6 +1,6 @@
 """TensorRT build settings, decided without TensorRT (STEP_GRAPH.md 4).
 
-The optimisation profiles themselves come from the artefact's manifest
+The optimisation profiles themselves come from the artifact's manifest
 (`exporter.export.profiles`, one place): each profile lists min/opt/max
 shapes per input, which the builder passes to TensorRT as they are.
 """

@@ -8,6 +8,7 @@
   (CuPy, or libcuda through ctypes);
 - `kernel_cases`: kernel inputs at real layer sizes and the checks of the
   Triton kernels against the plain-torch cores.
+- `logs`: the progress lines the toolchain logs, collected for a test.
 
 The toolchain itself never imports this package.
 """
