@@ -244,3 +244,54 @@ def test_the_command_and_the_api_share_their_defaults():
                if p.name not in ("model", "out")}
     assert options == fields
     assert BuildOptions().precision == "fp8"
+
+
+def test_the_command_prints_the_build_s_progress_and_the_library_prints_nothing(tmp_path, capsys):
+    """The build reports through logging: `clover-export` prints its INFO lines on stdout (here the memory plan
+    behind a refusal); called from Python with logging left unconfigured, it prints nothing."""
+    from click.testing import CliRunner
+
+    from clover_export.cli import main
+    from clover_export.core.errors import CloverError
+    from clover_export.pipeline import build as B
+
+    r = CliRunner().invoke(main, ["build", "--out", str(tmp_path / "b"), "--gpu-memory", "1"])
+    assert r.exit_code == 1 and "does not fit" in r.stderr, r.output
+    assert "memory plan (fp8" in r.stdout and "DOES NOT FIT" in r.stdout, r.stdout
+    with pytest.raises(CloverError, match="does not fit"):
+        B.build(None, tmp_path / "c", B.BuildOptions(gpu_memory_gib=1))
+    printed = capsys.readouterr()
+    assert "memory plan" not in printed.out + printed.err
+
+
+def test_a_stage_is_reused_only_under_its_key_with_its_folder_and_a_check_always_runs(tmp_path):
+    """BuildContext.run: a stage recorded in build.json is reused (its reuse line logged, nothing made) while its
+    key matches and its folder exists; otherwise made and recorded again. A check is run every time, never recorded."""
+    from clover_export.pipeline.context import BuildContext, BuildOptions, Stage, Stages
+
+    made: list = []
+
+    def make(ctx):
+        (ctx.out / "f").mkdir(exist_ok=True)
+        made.append("s")
+        return {"n": len(made)}
+
+    stage = Stage("s", make, reuse=lambda ctx, rec: f"[s] reused {rec['n']}", folder="f")
+    check = Stage("c", lambda ctx: made.append("c"))
+
+    def run(key):
+        ctx = BuildContext(BuildOptions(), tmp_path, Stages(tmp_path), keys={"s": key})
+        with log_lines() as lines:
+            ctx.run(stage, check)
+        return ctx.result, lines
+
+    res, _ = run("k1")
+    assert (res.ran, res.reused, made) == (["s"], [], ["s", "c"])
+    res, lines = run("k1")
+    assert (res.ran, res.reused, made[2:], lines) == ([], ["s"], ["c"], ["[s] reused 1"])
+    res, _ = run("k2")  # the inputs changed
+    assert res.ran == ["s"] and made[3:] == ["s", "c"]
+    (tmp_path / "f").rmdir()  # the folder went away
+    res, _ = run("k2")
+    assert res.ran == ["s"] and made[5:] == ["s", "c"]
+    assert json.loads((tmp_path / "build.json").read_text()) == {"stages": {"s": {"key": "k2", "result": {"n": 6}}}}
