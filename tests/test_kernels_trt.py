@@ -112,7 +112,8 @@ def _moe_args(op):
 
 def _plan(op, shapes=None, cdiv=launch.cdiv):
     s, a = _moe_args(op)
-    return plan.aot_plan(op, shapes or s, a, plan.io_dtypes(MOE_SUBOPS[op], "bfloat16"), 90, cdiv=cdiv)
+    return plan.aot_plan(op, shapes or s, a, plan.io_dtypes(MOE_SUBOPS[op], "bfloat16"), 90,
+                         shape_ops=launch.ShapeOps(cdiv=cdiv))
 
 
 def test_moe_subop_plans_and_output_shapes():
@@ -168,13 +169,13 @@ def test_build_time_constants_never_reach_tensorrt_cdiv():
     """Static shapes (a profile with fixed T) and constants (experts, hidden sizes) are divided in Python;
     TensorRT's cdiv only ever sees a symbolic side."""
     p = plan.aot_plan("BlockAttention", ATT_SHAPES, ATT_ATTRS, plan.io_dtypes(BLOCK_ATTENTION, "bfloat16"), 90,
-                      cdiv=strict_cdiv)
+                      shape_ops=launch.ShapeOps(cdiv=strict_cdiv))
     assert p.grid == (64 * 8 // p.variant.constexprs["BLOCK_M"], 4, 1)
     for op in MOE_SUBOPS:
         assert all(isinstance(g, int) for g in _plan(op, cdiv=strict_cdiv).grid), op
     sym = {n: (Expr("B"), Expr("T"), *s[2:]) if n in ("q", "k", "v") else s for n, s in ATT_SHAPES.items()}
     g = plan.aot_plan("BlockAttention", sym, ATT_ATTRS, plan.io_dtypes(BLOCK_ATTENTION, "bfloat16"), 90,
-                      cdiv=strict_cdiv).grid
+                      shape_ops=launch.ShapeOps(cdiv=strict_cdiv)).grid
     assert g[0].s.startswith("cdiv((T*8),") and g[1].s == "(B*2)"
     route = _plan("MoERoute", {"logits": (Expr("B"), Expr("T"), 256)}, strict_cdiv).grid
     assert route[0].s == "B" and route[1].s == "(cdiv((T-32),16)+1)"

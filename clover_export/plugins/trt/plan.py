@@ -135,17 +135,16 @@ class AotPlan:
 
 
 def aot_plan(op: str, shapes: dict[str, tuple], attrs: dict[str, object], dtypes: dict[str, str], arch: int,
-             cdiv=launch.cdiv, num_sms: int | None = None, shape_ops: launch.ShapeOps | None = None,
-             fit=None) -> AotPlan:
+             num_sms: int | None = None, shape_ops: launch.ShapeOps | None = None, fit=None) -> AotPlan:
     """Kernel variant, grid and extra scalars for an AOT op. Static dims must be ints; batch and step length
-    may be TensorRT shape expressions. `cdiv` is only called where one side is symbolic (`launch.ShapeOps`:
-    TensorRT's own cdiv refuses two ints); `shape_ops` (cdiv, min, max) replaces it where given, as
+    may be TensorRT shape expressions. `shape_ops` (cdiv, min, max; default: `launch.cdiv` alone) is only
+    called where one side is symbolic (`launch.ShapeOps`: TensorRT's own cdiv refuses two ints);
     BlockAttentionSplit's split count needs min and max too (and the build GPU's `num_sms`).
     `fit(variant) -> variant` may shrink the variant's tiles (TensorRT's shared-memory budget,
     `aot.fit_shared_memory`); the grid is computed from the variant it returns."""
     from clover_export.plugins.triton import aot
 
-    ops = shape_ops or launch.ShapeOps(cdiv=cdiv)
+    ops = shape_ops or launch.ShapeOps(cdiv=launch.cdiv)
     cdiv = ops.cdiv
     s = shapes
     if op == BLOCK_GDN.name:
