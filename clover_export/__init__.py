@@ -20,10 +20,12 @@ import importlib
 _EXPORTS = {
     # export: a model folder -> an artifact folder (graph, weights, manifest)
     "export": "clover_export.exporter.export",
+    "ExportOptions": "clover_export.exporter.export",
+    "ExportResult": "clover_export.exporter.export",
     # build: export, FP8, validation and TensorRT engines as one resumable pipeline
     "build": "clover_export.pipeline.build",
-    "BuildOptions": "clover_export.pipeline.build",
-    "BuildResult": "clover_export.pipeline.build",
+    "BuildOptions": "clover_export.pipeline.context",
+    "BuildResult": "clover_export.pipeline.context",
     # the artifact folder format
     "Artifact": "clover_export.artifact.manifest",
     "load_artifact": "clover_export.artifact.manifest",

@@ -20,6 +20,8 @@ def test_the_public_names_are_the_objects_the_subpackages_define():
         BuildOptions,
         BuildResult,
         CloverError,
+        ExportOptions,
+        ExportResult,
         GenerationSettings,
         Generator,
         Result,
@@ -43,13 +45,14 @@ def test_the_public_names_are_the_objects_the_subpackages_define():
     assert build is build_module.build and callable(build)
     assert (BuildOptions, BuildResult) == (build_module.BuildOptions, build_module.BuildResult)
     assert export is export_module.export and callable(export)
+    assert (ExportOptions, ExportResult) == (export_module.ExportOptions, export_module.ExportResult)
     assert (Artifact, load_artifact) == (manifest.Artifact, manifest.load_artifact)
     assert GenerationSettings is generation.GenerationSettings
     assert (ServeOptions, build_app) == (app.ServeOptions, app.build_app)
     assert CloverError is errors.CloverError
     assert sorted(clover_export.__all__) == sorted([
-        "Artifact", "BuildOptions", "BuildResult", "CloverError", "GenerationSettings", "Generator", "Result",
-        "ServeOptions", "StreamChunk", "build", "build_app", "export", "load_artifact"])
+        "Artifact", "BuildOptions", "BuildResult", "CloverError", "ExportOptions", "ExportResult", "GenerationSettings",
+        "Generator", "Result", "ServeOptions", "StreamChunk", "build", "build_app", "export", "load_artifact"])
     assert set(clover_export.__all__) <= set(dir(clover_export))
 
 
