@@ -263,7 +263,7 @@ def test_eviction_keeps_answers_and_frees_slots_for_new_requests(backend, refere
 def test_snapshot_memory_never_exceeds_the_budget(backend):
     gen = make(backend, max_slots=3, prefill_chunk=8)
     budget = 5 * snapshot_bytes(gen)
-    gen = make(backend, max_slots=3, prefill_chunk=8, prefix_cache_gb=budget / 2**30)
+    gen = make(backend, max_slots=3, prefill_chunk=8, prefix_cache=budget / 2**30)
     alive: list = []  # every saved state, weakly: what the process still holds
     save = gen.runner.save_state
 
@@ -304,7 +304,7 @@ def test_random_conversation_trees_and_eviction_orders(backend, reference, data)
     snap = snapshot_bytes(make(backend, max_slots=1))
     gen = make(backend, max_slots=data.draw(st.integers(1, 3), label="slots"),
                prefill_chunk=data.draw(st.sampled_from([8, 16, 64]), label="chunk"),
-               prefix_cache_gb=data.draw(st.sampled_from([0, 1, 3, 50]), label="snapshots") * snap / 2**30)
+               prefix_cache=data.draw(st.sampled_from([0, 1, 3, 50]), label="snapshots") * snap / 2**30)
     N = gen.block_size
     words = st.lists(st.integers(10, 400), min_size=1, max_size=12)
     done: list[tuple[list[int], list[int]]] = []  # (prompt, response) of finished requests

@@ -24,8 +24,9 @@ on a stream (or `wait`) steps all queued requests.
 
 Prefix reuse (docs/prefix_cache.md) is on by default: a request whose prompt
 starts like an earlier or running request's sequence resumes from its caches
-(`Result.cached_tokens`); `prefix_cache=False` turns it off, `prefix_cache_gb`
-bounds the GDN state snapshots it keeps.
+(`Result.cached_tokens`). `prefix_cache`: True (on, with DEFAULT_BUDGET_GB GiB
+of GDN state snapshots), a number (on, with that many GiB; 0 keeps none), or
+False (off).
 """
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ def context_needed(prompt_len: int, max_new_tokens: int, block_size: int, alignm
         tail = prompt_len - start
         return start + -(-(tail + max_new_tokens) // block_size) * block_size
     return prompt_len + blocks * block_size
+
+
+def prefix_cache_for(option: bool | float, runner: Runner, block_size: int) -> PrefixCache | None:
+    """The `prefix_cache` option: True (the default budget), a budget in GiB, or False (off)."""
+    if option is False:
+        return None
+    gb = DEFAULT_BUDGET_GB if option is True else option
+    if isinstance(gb, bool) or not isinstance(gb, numbers.Real) or not gb >= 0:
+        raise CloverError("runtime", f"prefix_cache must be True, False or a budget in GiB >= 0, got {option!r}")
+    return PrefixCache(runner, int(gb * 2**30), block_size)
 
 
 class Stream:
@@ -152,7 +163,7 @@ class Generator:
 
     def __init__(self, backend: Backend, source_dir: str | Path, *, max_slots: int = 4,
                  max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, fold_commit: bool = True,
-                 early_stop: bool = True, prefix_cache: bool = True, prefix_cache_gb: float = DEFAULT_BUDGET_GB):
+                 early_stop: bool = True, prefix_cache: bool | float = True):
         cfg = backend.cfg
         self.backend, self.cfg = backend, cfg
         self.mask_id = cfg.require_mask_token()
@@ -170,10 +181,7 @@ class Generator:
         im_end = self.tokenizer.im_end_id
         self.extra_end_ids = frozenset([im_end] if im_end is not None else [])
         self.runner = Runner(backend, max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
-        if not prefix_cache_gb >= 0:
-            raise CloverError("runtime", f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
-        self.prefix_cache = PrefixCache(self.runner, int(prefix_cache_gb * 2**30), self.block_size) \
-            if prefix_cache else None
+        self.prefix_cache = prefix_cache_for(prefix_cache, self.runner, self.block_size)
         scheduler = Scheduler(max_slots, self.block_size, prefill_chunk, fold_commit, early_stop,
                               shapes=getattr(backend, "step_shapes", None), cache=self.prefix_cache)
         self.loop = Loop(scheduler, self.runner)
@@ -182,8 +190,8 @@ class Generator:
     @classmethod
     def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
              max_slots: int = 4, max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-             fold_commit: bool = True, early_stop: bool = True, prefix_cache: bool = True,
-             prefix_cache_gb: float = DEFAULT_BUDGET_GB, **backend_options: Any) -> "Generator":
+             fold_commit: bool = True, early_stop: bool = True, prefix_cache: bool | float = True,
+             **backend_options: Any) -> "Generator":
         """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once.
 
         backend_options go to the backend: torch takes dtype ("auto", "fp32",
@@ -193,13 +201,12 @@ class Generator:
         folder or None, exported into the cache on first use). CPU threads follow
         backends/threads.py; the caller's torch.get_num_threads() is left as it was.
         backend None: `backends.default_backend` (ort for an artifact, triton on a CUDA GPU
-        without TensorRT, else torch). prefix_cache / prefix_cache_gb: see the module docstring.
+        without TensorRT, else torch). prefix_cache: see the module docstring.
         """
         backend = backend or default_backend(model_or_artifact, backend_options.get("device"))
         be = open_backend(backend, model_or_artifact, **backend_options)
         return cls(be, be.source_dir, max_slots=max_slots, max_context=max_context, prefill_chunk=prefill_chunk,
-                   fold_commit=fold_commit, early_stop=early_stop, prefix_cache=prefix_cache,
-                   prefix_cache_gb=prefix_cache_gb)
+                   fold_commit=fold_commit, early_stop=early_stop, prefix_cache=prefix_cache)
 
     # --- requests ----------------------------------------------------------------
     def settings(self, **params: Any) -> GenerationSettings:

@@ -73,10 +73,8 @@ class ServeOptions:
         opts: dict[str, Any] = {}
         if backend in ("torch", "triton"):
             opts = dict(dtype=self.dtype, device=self.device, block_size=self.block_size)
-        if self.prefix_cache_gb is not None:
-            opts["prefix_cache_gb"] = self.prefix_cache_gb
-        return Generator.load(self.model, backend=backend, max_slots=self.max_batch, prefix_cache=self.prefix_cache,
-                              **opts)
+        cache = self.prefix_cache_gb if self.prefix_cache and self.prefix_cache_gb is not None else self.prefix_cache
+        return Generator.load(self.model, backend=backend, max_slots=self.max_batch, prefix_cache=cache, **opts)
 
 
 def build_app(options: ServeOptions) -> FastAPI:
