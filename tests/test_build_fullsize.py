@@ -184,7 +184,12 @@ def test_fp8_weights_written_once_and_shared(resumed):
     bins = [p for p in _files(out) if p.suffix == ".bin"]
     assert sorted(p.relative_to(out).as_posix() for p in bins) == [
         "fp8-weights/fp8.bin", "onnx-fp8-bf16/weights/fp8.bin", "onnx-fp8/weights/fp8.bin"]
-    assert len({p.stat().st_ino for p in bins}) == 1, bins  # one file, hard-linked into both graphs
+    # written once; a file above COPY_BELOW is reflinked or hard-linked into both graphs, a small one (this
+    # model's) copied, so that plain onnx.load reads the folders (docs/exports.md)
+    from clover_export.artifact.manifest import COPY_BELOW
+
+    assert bins[0].stat().st_size <= COPY_BELOW
+    assert len({p.stat().st_ino for p in bins}) == 3 and len({p.read_bytes() for p in bins}) == 1, bins
     index = json.loads((out / "fp8-weights" / fp8_weights.FP8_INDEX).read_text())
     assert bins[0].stat().st_size == index["bytes_written"]
 
@@ -471,8 +476,6 @@ def test_disk_plan_counts_fp8_weights_once_and_reused_stages_as_zero(model, tmp_
     big = plan_disk(tmp_path, cfg, model, "bf16", "copy", {}, None)
     shards = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     assert big.stages["export-fp32"] >= shards and math.isclose(big.stages["export-bf16"], big.stages["export-fp32"])
-    # link mode: a full-size checkpoint is reflinked or hard-linked (no shard bytes); a small one may be copied
-    assert plan.stages["export-bf16"] < shards
 
 
 def test_bf16_export_runs_in_a_background_process(resumed):
