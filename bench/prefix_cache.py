@@ -123,7 +123,21 @@ def measure(args, backend, on: bool, workload) -> dict:
             "prompt_rows": sum(rows.by_id.get(r.request_id, 0) for r in results),
             "cached_tokens": sum(r.cached_tokens for r in results),
             "ttfb_median_s": statistics.median(ttfb), "ttfb_max_s": max(ttfb), "ttfb_s": ttfb, "wall_s": wall,
-            "tokens": [r.token_ids for r in results], "longest_prompt": max(map(len, prompts))}
+            "tokens": [r.token_ids for r in results], "longest_prompt": max(map(len, prompts)),
+            "per_request": [{"prompt": len(p), "cached": r.cached_tokens, "rows": rows.by_id.get(r.request_id, 0),
+                             "new": new} for p, r, new in zip(prompts, results, new_tokens(prompts, results))]}
+
+
+def new_tokens(prompts: list[list[int]], results: list) -> list[int]:
+    """Per request, prompt tokens past its common prefix with the previous request's prompt + answer (the
+    "new tokens" of a conversation's turn; the whole prompt for the first)."""
+    from clover_export.runtime.prefix_cache import TokenRun
+
+    out, before = [], None
+    for p, r in zip(prompts, results):
+        out.append(len(p) - (TokenRun(p).common_prefix(TokenRun(before)) if before is not None else 0))
+        before = p + r.token_ids
+    return out
 
 
 def fork_vs_prefill(tokens: int) -> dict:
@@ -160,6 +174,14 @@ def print_workload(name: str, off: dict, on: dict) -> None:
           f"{on['wall_s'] / off['wall_s']:>8.3f}")
 
 
+def print_turns(off: dict, on: dict, block: int) -> None:
+    print(f"per turn (cache on): prompt, new tokens (past the previous prompt + answer), cached, rows computed "
+          f"(bound: new + one block of {block})")
+    for i, t in enumerate(on["per_request"]):
+        print(f"  turn {i + 1}: prompt {t['prompt']:>5}  new {t['new']:>5}  cached {t['cached']:>5}  "
+              f"rows {t['rows']:>5}  (off: {off['per_request'][i]['rows']})")
+
+
 def print_arithmetic(table: list[dict]) -> None:
     print(f"\nfull size (Clover-35B-A3B, bf16 K/V): a fork copies vs prefilling the prefix; H200 at "
           f"{H200_COPY_BPS / 1e12:.2f} TB/s copy, {H200_MATMUL_FLOPS / 1e12:.0f} TFLOP/s bf16")
@@ -191,6 +213,8 @@ def main() -> None:
             off = measure(args, backend, False, workload)  # one generator at a time: ort's pool sets are per generator
             on = measure(args, backend, True, workload)
             print_workload(name, off, on)
+            if workload is chat_turns:
+                print_turns(off, on, backend.block_size)
             out[name] = {"off": off, "on": on, "identical": off["tokens"] == on["tokens"]}
     print_arithmetic(out["arithmetic"])
     if args.json:

@@ -169,19 +169,22 @@ def test_turns_of_a_conversation_compute_only_new_tokens_and_one_block(which, ba
         prompt = prompt + res.token_ids + chat(gen, [{"role": "user", "content": f"and {turn} more"}])
 
 
-def test_a_chat_resent_with_its_answer_reuses_it_up_to_where_the_template_differs(backend, reference):
-    gen = make(backend)
-    rows = Rows(gen)
+def test_a_chat_resent_through_the_template_computes_its_new_tokens_and_at_most_a_block(backend, reference):
+    """The template renders an earlier answer its own way (no empty think block after the assistant header): the
+    next turn agrees with the previous prompt + answer only up to there, and resumes within a block of it."""
+    gen = make(backend, prefill_chunk=256)  # the default: prompts of one chunk
+    rows, N = Rows(gen), gen.block_size
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "reverse the word stone"}]
     before = None
-    for turn in range(3):
+    for turn in range(4):
         ids = chat(gen, messages)
         res = gen.generate(prompt_ids=ids, max_new_tokens=40)
         assert res.token_ids == reference.tokens(ids, max_new_tokens=40)
         assert rows.of(res) == len(ids) - res.cached_tokens
-        if before is not None:  # the template renders an earlier answer its own way (no empty think block)
+        if before is not None:
             common = TokenRun(ids).common_prefix(TokenRun(before))
-            assert common // 16 * 16 <= res.cached_tokens <= common  # the last chunk end (16) before it, at least
+            assert common < len(before) - len(res.token_ids)  # it does not reach the previous prompt's end
+            assert rows.of(res) <= len(ids) - common + N
         before = ids + res.token_ids
         messages += [{"role": "assistant", "content": res.content}, {"role": "user", "content": f"now {turn} + 2"}]
 

@@ -65,14 +65,15 @@ def context_needed(prompt_len: int, max_new_tokens: int, block_size: int, alignm
     return prompt_len + blocks * block_size
 
 
-def prefix_cache_for(option: bool | float, runner: Runner, block_size: int) -> PrefixCache | None:
+def prefix_cache_for(option: bool | float, runner: Runner, block_size: int, turn_end_id: int | None
+                     ) -> PrefixCache | None:
     """The `prefix_cache` option: True (the default budget), a budget in GiB, or False (off)."""
     if option is False:
         return None
     gb = DEFAULT_BUDGET_GB if option is True else option
     if isinstance(gb, bool) or not isinstance(gb, numbers.Real) or not gb >= 0:
         raise CloverError("runtime", f"prefix_cache must be True, False or a budget in GiB >= 0, got {option!r}")
-    return PrefixCache(runner, int(gb * 2**30), block_size)
+    return PrefixCache(runner, int(gb * 2**30), block_size, turn_end_id=turn_end_id)
 
 
 class Stream:
@@ -181,7 +182,7 @@ class Generator:
         im_end = self.tokenizer.im_end_id
         self.extra_end_ids = frozenset([im_end] if im_end is not None else [])
         self.runner = Runner(backend, max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
-        self.prefix_cache = prefix_cache_for(prefix_cache, self.runner, self.block_size)
+        self.prefix_cache = prefix_cache_for(prefix_cache, self.runner, self.block_size, im_end)
         scheduler = Scheduler(max_slots, self.block_size, prefill_chunk, fold_commit, early_stop,
                               shapes=getattr(backend, "step_shapes", None), cache=self.prefix_cache)
         self.loop = Loop(scheduler, self.runner)

@@ -30,7 +30,9 @@ Requests that arrive together and share a prefix that a running request is
 still prefilling wait for it (*deferred*): that request's prefill is cut at
 the shared length, so the point exists when they are placed (a shared system
 prompt is computed once). A request that resumes short of its common prefix
-with the source cuts its own prefill there, so the next one resumes exactly.
+with the source cuts its own prefill there, so the next one resumes exactly;
+and a chat prompt's prefill is cut after its last end-of-turn token, where the
+next turn's re-rendered conversation still agrees with it.
 The device side (copies) is the runner's: `save_state`, `load_state`,
 `copy_state`, `copy_rows` (runtime/runner.py).
 """
@@ -142,13 +144,15 @@ class Candidate:
 class PrefixCache:
     """Per-slot sequences, their points, placement of new requests and the snapshot budget."""
 
-    def __init__(self, device: Device, budget_bytes: int, block_size: int, points_per_sequence: int = 8):
+    def __init__(self, device: Device, budget_bytes: int, block_size: int, points_per_sequence: int = 8,
+                 turn_end_id: int | None = None):
         if budget_bytes < 0 or points_per_sequence < 1:
             raise ValueError("budget_bytes must be >= 0 and points_per_sequence >= 1")
         self.device = device
         self.budget_bytes = budget_bytes
         self.block_size = block_size
         self.points_per_sequence = points_per_sequence  # prefill chunk-end snapshots kept per sequence
+        self.turn_end_id = turn_end_id  # the chat template's end-of-turn token (<|im_end|>), if any
         self.entries: dict[int, Entry] = {}
         self.snaps: set[Snap] = set()
         self.snapshot_bytes = 0
@@ -159,7 +163,7 @@ class PrefixCache:
 
     # --- figures --------------------------------------------------------------------
     def parked(self) -> list[Entry]:
-        return [e for e in self.entries.values() if e.request is None]
+        return [e for e in list(self.entries.values()) if e.request is None]  # a copy: /metrics reads it live
 
     def hit_rate(self) -> float:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -168,10 +172,10 @@ class PrefixCache:
         """Hit rate (reused / prompt tokens of placed requests), snapshot bytes (memory beyond the pools) and
         the bytes of parked sequences (K/V rows and states in idle slots of the pools)."""
         per_token, fixed = self.device.sequence_bytes()
-        parked = sum(len(e.seq) * per_token + fixed for e in self.parked())
-        return {"hit_rate": self.hit_rate(), "snapshot_bytes": self.snapshot_bytes, "parked_bytes": parked,
-                "budget_bytes": self.budget_bytes, "parked_sequences": len(self.parked()),
-                "snapshots": len(self.snaps)}
+        parked = self.parked()
+        return {"hit_rate": self.hit_rate(), "snapshot_bytes": self.snapshot_bytes,
+                "parked_bytes": sum(len(e.seq) * per_token + fixed for e in parked), "budget_bytes": self.budget_bytes,
+                "parked_sequences": len(parked), "snapshots": len(self.snaps)}
 
     def _tick(self) -> int:
         self._clock += 1
@@ -190,7 +194,7 @@ class PrefixCache:
         limit = len(run)
         for e in self.entries.values():
             common = min(run.common_prefix(e.seq), limit)
-            if common <= best.point:
+            if common < best.point or not common:
                 continue
             cand = Candidate(len(e.seq), common, e) if len(e.seq) <= common else Candidate(0, common, e)
             snap = max((s for p, s in e.points.items() if p <= common), key=lambda s: s.pos, default=None)
@@ -254,9 +258,23 @@ class PrefixCache:
         req.slot, req.past_len, req.prefill_pos, req.cached_tokens = slot, p, p, p
         if p and best.common - p >= self.block_size and best.common < len(req.prefill_ids):
             req.cuts.add(best.common)  # the next request sharing as much resumes exactly there
+        turn_end = self._after_last_turn(req.prefill_ids, p)
+        if turn_end is not None:
+            req.cuts.add(turn_end)
         self.prompt_tokens += req.prompt_len
         self.reused_tokens += p
         return True
+
+    def _after_last_turn(self, ids: list[int], start: int) -> int | None:
+        """The position after the prompt's last end-of-turn token, when a prefill chunk can end there: a chat's
+        next turn re-renders the conversation the same way up to it, but not the generation prompt after it
+        (templates drop an empty or earlier think block), so the next turn resumes there."""
+        if self.turn_end_id is None:
+            return None
+        for i in range(len(ids) - 1, start - 1, -1):
+            if ids[i] == self.turn_end_id:
+                return i + 1 if i + 1 < len(ids) else None
+        return None
 
     def _age(self, slot: int) -> tuple[int, int]:
         """Eviction order of free slots: empty ones first, then least recently used."""
@@ -271,7 +289,7 @@ class PrefixCache:
         if entry is None or entry.request is not req:
             return
         start, end = len(entry.seq), req.past_len
-        entry.seq.extend(cached_tokens(req, start, end))
+        entry.seq.extend(sequence_tokens(req, start, end))
         kind = "cut" if end in req.cuts else "prompt" if prefill and end == len(req.prefill_ids) else \
             "chunk" if prefill else None
         req.cuts = {c for c in req.cuts if c > end}
@@ -348,7 +366,7 @@ class PrefixCache:
                 self._unhold(entry, p)
 
 
-def cached_tokens(req: Request, start: int, end: int) -> list[int]:
+def sequence_tokens(req: Request, start: int, end: int) -> list[int]:
     """Tokens [start, end) of the request's cached sequence, (prompt + response)[:past_len]: the prompt
     (its tail included, absolute alignment), then committed blocks (every token of one is in the response)."""
     P = req.prompt_len
