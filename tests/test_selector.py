@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from clover_export.core.generation import GenerationSettings
 from clover_export.runtime.controls import RowParams, param_row
-from clover_export.runtime.selector import choose, fill, sample
+from clover_export.runtime.selector import Controls, choose, fill, sample
 
 MASK = 3
 V = 12
@@ -25,8 +25,7 @@ def select(logits, block, threshold, **kw):
     """choose + fill for one row."""
     p = params(threshold, **kw)
     N = block.shape[1]
-    none = torch.zeros(1, 0)
-    tok, conf = choose(logits, none.long(), none, torch.zeros(1, N), p, torch.tensor([[-1]]), MASK)
+    tok, conf = choose(logits, Controls.none(1, N), p, MASK)
     new, newly = fill(block, tok, conf, p.threshold, MASK)
     return new, newly, tok, conf
 
@@ -136,6 +135,9 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert (draws[0][..., None] == top3).any(-1).all()  # top-k: only the 3 best ids
     # top-p tiny: only the most likely token survives, and its renormalised probability is 1
     tok, conf = sample(l, torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([1e-6]), [torch.Generator()])
+    assert torch.equal(tok, l.argmax(-1)) and torch.allclose(conf, torch.ones_like(conf))
+    # a top_p too small for float32 (1e-50, valid in (0, 1]) arrives as 0.0: the most likely token still stays
+    tok, conf = sample(l, torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([1e-50]), [torch.Generator()])
     assert torch.equal(tok, l.argmax(-1)) and torch.allclose(conf, torch.ones_like(conf))
 
 

@@ -82,11 +82,10 @@ def lowconf_step(logits, block, mask, threshold):
     """One step of the runtime's selector with the evaluator's settings (controls off)."""
     from clover_export.core.generation import GenerationSettings
     from clover_export.runtime.controls import RowParams, param_row
-    from clover_export.runtime.selector import choose, fill
+    from clover_export.runtime.selector import Controls, choose, fill
 
     p = RowParams(torch.tensor([param_row(GenerationSettings(threshold=threshold, **NO_CONTROLS))]))
-    none = torch.zeros(1, 0)
-    tok, conf = choose(logits, none.long(), none, torch.zeros(1, block.shape[1]), p, torch.tensor([[-1]]), mask)
+    tok, conf = choose(logits, Controls.none(1, block.shape[1]), p, mask)
     return fill(block, tok, conf, p.threshold, mask)[0]
 
 

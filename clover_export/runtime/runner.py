@@ -23,7 +23,7 @@ from clover_export.core.errors import CloverError
 from clover_export.runtime.controls import COLUMNS, RowParams, param_row, thinking_open
 from clover_export.runtime.request import Request
 from clover_export.runtime.scheduler import StepPlan
-from clover_export.runtime.selector import choose, fill
+from clover_export.runtime.selector import Controls, choose, fill
 
 # observer(plan, logits [B, N, V]) sees a copy of the raw block logits of every step (tests, debugging)
 Observer = Callable[[StepPlan, torch.Tensor], None]
@@ -205,9 +205,10 @@ class Runner:
         # seeded request gives the same tokens whatever else shares the step (DECODING.md 4)
         rows = [r for r, req in enumerate(plan.requests) if req.params.do_sample and plan.has_block[r]]
         gens = [self.generators[plan.requests[r].slot] for r in rows]
-        tok, conf = choose(logits, seen_ids.long().view(B, K), seen_counts.float().view(B, K), n, params,
-                           self.end_ids.index_select(0, slots), self.mask_id, self.think_end_id, think_open != 0,
-                           rows, gens, in_place=True)  # the logits are ours until the next step
+        controls = Controls(seen_ids.long().view(B, K), seen_counts.float().view(B, K), n,
+                            self.end_ids.index_select(0, slots), self.think_end_id, think_open != 0)
+        tok, conf = choose(logits, controls, params, self.mask_id, rows, gens,
+                           in_place=True)  # the logits are ours until the next step
         block = ids.view(B, T)[:, T - N:]
         new_block, _ = fill(block, tok, conf, params.threshold, self.mask_id, has_block != 0)
         out = torch.cat([new_block, coreset.to(torch.int32).sum(1, keepdim=True)], 1).tolist()  # the one read

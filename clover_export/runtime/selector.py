@@ -8,6 +8,7 @@ here reads a tensor back to the host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -32,7 +33,8 @@ def sample(
     """Temperature, then top-k, then top-p; draw from the renormalised result (DECODING.md 2.4-2.5).
 
     Sorting is stable (ties: lower id ranks first), so top-k keeps exactly k
-    tokens and top-p keeps the shortest prefix reaching `top_p`. The draw is
+    tokens and top-p keeps the shortest prefix reaching `top_p`, never less
+    than the first token (a top_p under float32's range arrives as 0). The draw is
     an exponential race (argmax p / E, E ~ Exp(1) from the row's generator),
     which samples p exactly and uses a fixed amount of randomness per step.
     """
@@ -45,23 +47,36 @@ def sample(
     probs = torch.softmax(sorted_l, dim=-1)
     before = probs.cumsum(-1) - probs
     tp = top_p[:, None, None]
-    sorted_l = sorted_l.masked_fill((tp < 1) & (before >= tp), float("-inf"))
+    sorted_l = sorted_l.masked_fill((tp < 1) & (before >= tp) & (rank > 0), float("-inf"))
     probs = torch.softmax(sorted_l, dim=-1)
     noise = torch.stack([torch.empty(N, V, device=l.device).exponential_(generator=g) for g in generators])
     j = (probs / noise).argmax(-1, keepdim=True)
     return order.gather(-1, j).squeeze(-1), probs.gather(-1, j).squeeze(-1)
 
 
+@dataclass
+class Controls:
+    """What the generation controls read besides the logits and the parameter rows (DECODING.md 3)."""
+
+    seen_ids: torch.Tensor  # [B, K] tokens counted in the response so far (padding: mask_id)
+    seen_counts: torch.Tensor  # [B, K] their counts (padding: 0)
+    n: torch.Tensor  # [B, N] response index of each position
+    end_ids: torch.Tensor  # [B, E] end-token ids per row, -1 = padding
+    think_end_id: int | None = None
+    thinking_open: torch.Tensor | None = None  # [B] bool
+
+    @classmethod
+    def none(cls, rows: int, positions: int) -> Controls:
+        """Nothing counted, no end token: the controls change no logit (tests, evaluation)."""
+        empty = torch.zeros(rows, 0)
+        return cls(empty.long(), empty, torch.zeros(rows, positions), torch.full((rows, 1), -1))
+
+
 def choose(
     logits: torch.Tensor,  # [B, N, V] fp32
-    seen_ids: torch.Tensor,  # [B, K] tokens counted in the response so far (padding: mask_id)
-    seen_counts: torch.Tensor,  # [B, K] their counts (padding: 0)
-    n: torch.Tensor,  # [B, N] response index of each position
+    c: Controls,
     p: RowParams,
-    end_ids: torch.Tensor,  # [B, E] end-token ids per row, -1 = padding
     mask_id: int,
-    think_end_id: int | None = None,
-    thinking_open: torch.Tensor | None = None,  # [B] bool
     sampling_rows: Sequence[int] = (),
     generators: Sequence[torch.Generator | None] = (),
     in_place: bool = False,  # True: `logits` may be overwritten (saves a copy)
@@ -69,7 +84,7 @@ def choose(
     """Steps 1-5 of DECODING.md 2 for every position: (token [B, N], confidence [B, N])."""
     l = logits if in_place and logits.dtype == torch.float32 else logits.float().clone()
     l[..., mask_id] = float("-inf")
-    apply_controls_(l, seen_ids, seen_counts, n, p, end_ids, think_end_id, thinking_open)
+    apply_controls_(l, c.seen_ids, c.seen_counts, c.n, p, c.end_ids, c.think_end_id, c.thinking_open)
     s_tok = None
     if sampling_rows:
         rows = torch.tensor(list(sampling_rows), device=l.device)
