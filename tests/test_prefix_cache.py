@@ -356,8 +356,8 @@ def test_ort_backend_gives_the_same_tokens_with_the_cache():
 
 
 def triton_case(prompt: list[int], edited: list[int], chunk: int) -> dict:
-    """On the kernels: a prompt, then one forked from its snapshot at the first chunk end (K/V rows copied
-    into another slot, GDN states restored); three steps, the interpreter being slow."""
+    """On the kernels: a chat prompt, then one forked from its snapshot after the prompt's last end of turn
+    (K/V rows copied into another slot, GDN states restored); three steps, the interpreter being slow."""
     from clover_export.runtime import Generator
 
     gen = Generator.load(None, backend="triton", device="cpu", dtype="fp32", max_slots=2, prefill_chunk=chunk)
@@ -378,7 +378,8 @@ def test_triton_backend_gives_the_same_tokens_with_the_cache(backend):
 
     off = make(backend, prefix_cache=False, max_slots=1)
     prompt = chat(off, [{"role": "user", "content": "sort 3 1"}])
-    edited, chunk = prompt[:-1] + [prompt[-1] + 1], len(prompt) - 2
+    edited, chunk = prompt[:-1] + [prompt[-1] + 1], 64
+    turn_end = len(prompt) - prompt[::-1].index(off.tokenizer.im_end_id)  # the point after the last <|im_end|>
     want = [off.generate(prompt_ids=p, max_new_tokens=8, threshold=0.1).token_ids for p in (prompt, edited)]
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = ("import json, sys; sys.path.insert(0, %r); import test_prefix_cache as t; "
@@ -388,7 +389,7 @@ def test_triton_backend_gives_the_same_tokens_with_the_cache(backend):
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     got = json.loads(line[0][7:])
-    assert got["tokens"] == want and got["cached"] == [0, chunk] and got["slots"][0] != got["slots"][1]
+    assert got["tokens"] == want and got["cached"] == [0, turn_end] and got["slots"][0] != got["slots"][1]
 
 
 # ------------------------------------------------------------------ the server
