@@ -33,8 +33,8 @@ prompt is computed once). A request that resumes short of its common prefix
 with the source cuts its own prefill there, so the next one resumes exactly;
 and a chat prompt's prefill is cut after its last end-of-turn token, where the
 next turn's re-rendered conversation still agrees with it.
-The device side (copies) is the runner's: `save_state`, `load_state`,
-`copy_state`, `copy_rows` (runtime/runner.py).
+The copies are the runner's (runtime/runner.py): `save_state` after a step,
+`resume` when `claim` places a request (`Resume`).
 """
 
 from __future__ import annotations
