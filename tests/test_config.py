@@ -114,6 +114,32 @@ def test_generation_settings_defaults_override_and_validation(tmp_path):
         load_generation_settings(tmp_path)
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-39, 1e-320, 5e-324])
+def test_a_temperature_below_1e_5_is_greedy(temperature):
+    """vLLM's rule: float32 cannot divide logits by such a temperature (overflow, or zero), so it decodes
+    greedily, however the settings are made."""
+    assert GenerationSettings().override(do_sample=True, temperature=temperature).do_sample is False
+    assert GenerationSettings(do_sample=True, temperature=temperature).do_sample is False
+    kept = GenerationSettings().override(do_sample=True, temperature=1e-5)
+    assert kept.do_sample is True and kept.temperature == 1e-5
+
+
+def test_real_ranges_end_at_a_finite_maximum_float32_holds():
+    """A real parameter past float32's range would be inf in the runner's parameter table (inf * 0 = NaN in
+    the ramps); every real range has a finite maximum, and a value past it is refused naming the field."""
+    import numpy as np
+
+    from clover_export.core.generation import RANGES
+
+    reals = {name: rng for name, rng in RANGES.items() if rng.kind == "real"}
+    assert all(rng.high is not None and np.isfinite(np.float32(rng.high)) for rng in reals.values())
+    for name, rng in reals.items():
+        assert getattr(GenerationSettings().override(**{name: rng.high}), name) == rng.high
+        for bad in (np.nextafter(rng.high, np.inf), 1e39, 1e308):
+            with pytest.raises(CloverError, match=f"'{name}' must be a finite number in"):
+                GenerationSettings().override(**{name: float(bad)})
+
+
 def test_tiny_config_keeps_the_architecture_pattern():
     cfg = config_from_dict(tiny_config_dict())
     kinds = cfg.layer_types

@@ -139,3 +139,15 @@ def test_min_tokens_blocks_end_tokens_before_n_only():
 
 NEUTRAL = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, dllm_length_penalty=0.0,
                dllm_think_end_bias=0.0)
+
+
+def test_largest_accepted_values_keep_every_logit_a_number():
+    """Every real parameter at its range's maximum, through the float32 parameter table, with min_tokens: the
+    controlled logits hold no NaN (an infinite strength times a zero ramp would be one)."""
+    from clover_export.core.generation import RANGES
+
+    top = {name: rng.high for name, rng in RANGES.items()
+           if rng.kind == "real" and name not in ("threshold", "top_p", "frequency_penalty", "presence_penalty")}
+    for n in ([0, 1], [10, 11]):
+        out = run([1, 2, 0, 1, 0, 0, 0], n, min_tokens=5, **top)
+        assert not torch.tensor(out).isnan().any(), out

@@ -41,6 +41,13 @@ class GenerationSettings:
     eos_token_id: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        # a temperature below SAMPLING_EPS decodes greedily (vLLM's rule): float32 logits divided by it
+        # overflow (1e-39) or divide by zero (1e-320 is 0 in float32), DECODING.md 2.4
+        cold = isinstance(self.temperature, numbers.Real) and 0 < self.temperature < SAMPLING_EPS
+        if self.do_sample is True and cold:
+            object.__setattr__(self, "do_sample", False)
+
     def override(self, **changes: Any) -> "GenerationSettings":
         changes = {k: v for k, v in changes.items() if v is not None}
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -102,23 +109,29 @@ class Range:
             raise _bad(name, f"must be {self.describe()}", value)
 
 
+SAMPLING_EPS = 1e-5  # a lower temperature decodes greedily (vLLM's _SAMPLING_EPS)
+# The largest value of a real parameter: far past any useful one (a bias of 1e6 outweighs every logit, a
+# position of 1e6 lies past any context, a temperature of 1e6 is uniform) and finite in float32, the dtype of
+# the runner's parameter table (an infinite strength times a zero ramp would be NaN).
+REAL_MAX = 10**6
+
 # The one place for the parameter ranges (DECODING.md 1.2 and 3).
 RANGES: dict[str, Range] = {
     "max_new_tokens": Range("int", 1),
     "threshold": Range("real", 0, 1, low_open=True),
     "do_sample": Range("bool"),
-    "temperature": Range("real", 0, low_open=True),
+    "temperature": Range("real", 0, REAL_MAX, low_open=True),  # below SAMPLING_EPS: greedy
     "top_k": Range("int", 0),  # 0 = off
     "top_p": Range("real", 0, 1, low_open=True),
-    "repetition_penalty": Range("real", 0, low_open=True),
+    "repetition_penalty": Range("real", 0, REAL_MAX, low_open=True),
     "frequency_penalty": Range("real", -2, 2),  # OpenAI's range: negative favours repeats
     "presence_penalty": Range("real", -2, 2),
-    "dllm_length_penalty": Range("real", 0),
-    "dllm_length_penalty_start": Range("real", 0),
-    "dllm_length_penalty_window": Range("real", 0, low_open=True),
-    "dllm_think_end_bias": Range("real", 0),
-    "dllm_think_end_start": Range("real", 0),
-    "dllm_think_end_window": Range("real", 0, low_open=True),
+    "dllm_length_penalty": Range("real", 0, REAL_MAX),
+    "dllm_length_penalty_start": Range("real", 0, REAL_MAX),
+    "dllm_length_penalty_window": Range("real", 0, REAL_MAX, low_open=True),
+    "dllm_think_end_bias": Range("real", 0, REAL_MAX),
+    "dllm_think_end_start": Range("real", 0, REAL_MAX),
+    "dllm_think_end_window": Range("real", 0, REAL_MAX, low_open=True),
     "enable_thinking": Range("bool"),
     "min_tokens": Range("int", 0),
     "ignore_eos": Range("bool"),
