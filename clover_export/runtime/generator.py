@@ -258,7 +258,8 @@ class Generator:
         end_ids = frozenset() if settings.ignore_eos else frozenset(settings.eos_token_id) | self.extra_end_ids
         req = Request(ids, settings.max_new_tokens, end_ids, self.block_size, self.mask_id,
                       self.cfg.block_alignment, params=settings)
-        handle = Stream(self, req, TextTracker(self.tokenizer.decode, end_ids, settings.stop))
+        hidden = frozenset(settings.eos_token_id) | self.extra_end_ids if settings.ignore_eos else frozenset()
+        handle = Stream(self, req, TextTracker(self.tokenizer.decode, end_ids, settings.stop, hidden))
         self.loop.add(req)
         self.handles[req.request_id] = handle
         return handle

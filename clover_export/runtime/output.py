@@ -29,7 +29,7 @@ class Result:
     request_id: int
     token_ids: list[int]  # response ids: cut after the first end token (kept), at max_new_tokens, and before
     #                       the first token reaching into a stop string (not returned; see TextTracker)
-    text: str  # response text: without the end token, cut right before the first stop string
+    text: str  # response text: without end tokens (ignore_eos: none of those it ran past), cut before a stop string
     finish_reason: str  # "stop" (end token), "length", "stop_string", "cancelled", "error"
     prompt_tokens: int
     response_tokens: int  # len(token_ids)
@@ -69,11 +69,15 @@ class TextTracker:
     starts inside a token, `text` keeps that token's leading characters and
     `token_ids` drops the token, so `decode(token_ids)` is a prefix of `text`.
     With stop strings, a chunk's ids are those whose text has been emitted
-    (ids that could still be cut are held back like their text).
+    (ids that could still be cut are held back like their text). Ids in
+    `hidden` (the end tokens when `ignore_eos` generates past them) stay in
+    `token_ids` and out of `text`.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], end_ids: frozenset[int], stop: tuple[str, ...]):
-        self.decode = decode
+    def __init__(self, decode: Callable[[list[int]], str], end_ids: frozenset[int], stop: tuple[str, ...],
+                 hidden: frozenset[int] = frozenset()):
+        self._decode_all = decode
+        self.hidden = hidden
         self.end_ids = end_ids
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -82,6 +86,9 @@ class TextTracker:
         self.emitted = 0  # characters of `text` streamed so far
         self.emitted_ids = 0  # ids streamed so far
         self.stopped = False  # a stop string was found
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode_all([i for i in ids if i not in self.hidden] if self.hidden else ids)
 
     def push(self, new_ids: list[int], final: bool) -> tuple[str, list[int]]:
         """Add a block's response ids; returns (text delta, ids delta)."""
