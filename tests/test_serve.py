@@ -477,6 +477,41 @@ def test_models_and_metrics(server, client):
     assert after.get('clover_requests_total{"endpoint": "/v1/chat/completions", "status": "400"}', 0) >= 1
 
 
+def test_metrics_label_requests_by_route_not_by_raw_path(server):
+    """Any path a client POSTs under /v1/ (404s, 405s) lands on a bounded set of series: the route's template,
+    or "unmatched"; /metrics does not grow with the paths clients make up."""
+    import uuid
+
+    def series():
+        text = httpx.get(server.url + "/metrics").text
+        return {json.dumps(s.labels, sort_keys=True): s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == "clover_requests_total"}
+
+    for path in ("/v1/nothing", "/v1/models/clover-tiny"):  # the 404 and 405 series exist from here on
+        post(server, path, CHAT)
+    before = series()
+    made_up = [f"/v1/{uuid.uuid4().hex}", f"/v1/completions/{uuid.uuid4().hex}", f"/v1/models/{uuid.uuid4().hex}"]
+    for path in made_up:
+        assert post(server, path, CHAT).status_code in (404, 405)
+    after = series()
+    assert after.keys() == before.keys(), set(after) - set(before)
+    assert not any(p.rsplit("/", 1)[1] in key for p in made_up for key in after)
+    unmatched = json.dumps({"endpoint": "unmatched", "status": "404"}, sort_keys=True)
+    template = json.dumps({"endpoint": "/v1/models/{model_id:path}", "status": "405"}, sort_keys=True)
+    assert after[unmatched] - before[unmatched] == 2 and after[template] - before[template] == 1
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-39, 1e-320])
+def test_a_tiny_temperature_is_greedy(server, client, reference, temperature):
+    """Temperatures below 1e-5 decode greedily (vLLM's rule, in the runtime's settings), whatever the seed; in
+    float32 they would overflow the logits (1e-39) or divide by zero (1e-320)."""
+    want = reference.generate("12*12=", raw=True, max_new_tokens=40).text
+    for seed in (0, 1):
+        r = post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "12*12=", "max_tokens": 40,
+                                             "temperature": temperature, "seed": seed})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+
+
 def test_health_is_503_until_loaded_and_stepped():
     gate = threading.Event()
     opts = ServeOptions(max_batch=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -79,9 +80,14 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
     """
     from clover_export.serve.app import ServeOptions
 
+    if api_key is None:
+        api_key = os.environ.get("CLOVER_API_KEY")  # click reads an empty variable as unset
+    if api_key is not None and (not api_key or api_key != api_key.strip()):
+        raise CloverError("serve", "the API key (--api-key or CLOVER_API_KEY) is empty or has surrounding whitespace",
+                          "give the key itself, or unset CLOVER_API_KEY to serve without one")
     opts = ServeOptions(model=model, backend=backend, dtype=dtype, device=device, block_size=block_size,
                         max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
-                        api_key=api_key or None, protect_metrics=protect_metrics,
+                        api_key=api_key, protect_metrics=protect_metrics,
                         allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
                         prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -32,6 +32,9 @@ from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from clover_export.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
 log = logging.getLogger("clover_export.serve")
+# bodies larger than this are checked one at a time (their own thread limiter), so that small requests never
+# wait behind them (docs/serving.md, Input limits)
+LARGE_BODY_BYTES = 256 << 10
 
 
 class ClientGone(Exception):
@@ -82,6 +85,7 @@ def build_app(options: ServeOptions) -> FastAPI:
     async def lifespan(app: FastAPI):
         state = app.state
         state.metrics = Metrics()
+        state.large_bodies = anyio.CapacityLimiter(1)
         state.engine = Engine(options.load_generator, options.max_batch + options.max_queue, state.metrics)
         state.engine.start()
         if options.wait_until_loaded:
@@ -173,7 +177,7 @@ def _routes(app: FastAPI) -> None:
 def _error_handlers(app: FastAPI) -> None:
     def reply(request: Request, e: ApiError) -> JSONResponse:
         if request.url.path.startswith("/v1/") and request.method == "POST":
-            request.app.state.metrics.requests.labels(request.url.path, str(e.status)).inc()
+            request.app.state.metrics.requests.labels(_endpoint(request), str(e.status)).inc()
         return JSONResponse(e.body(), e.status, headers=e.headers)
 
     @app.exception_handler(ApiError)
@@ -208,23 +212,25 @@ async def _body_bytes(request: Request) -> bytes:
 
 async def _admission(request: Request, chat: bool) -> tuple[adapter.Submission, dict[str, Any]]:
     """Everything the request brings, checked in a worker thread before the engine sees it (SERVING.md 5):
-    (its submission, the engine's `Generator.submit` kwargs with the prompt as token ids)."""
+    (its submission, the engine's `Generator.submit` kwargs with the prompt as token ids). A body over
+    LARGE_BODY_BYTES waits for the large-body limiter; the others take the default thread pool."""
     body = await _body_bytes(request)
-    return await run_in_threadpool(_check_request, request, body, chat)
+    limiter = request.app.state.large_bodies if len(body) > LARGE_BODY_BYTES else None
+    return await anyio.to_thread.run_sync(_check_request, request, body, chat, limiter=limiter)
 
 
 def _check_request(request: Request, body: bytes, chat: bool) -> tuple[adapter.Submission, dict[str, Any]]:
-    data = protocol.parse_json(body)
-    try:
-        req = (ChatRequest if chat else CompletionRequest).model_validate(data)
-    except ValidationError as e:
-        raise protocol.validation_error(e, data) from None
-    _check_model(request, req.model)
     eng = request.app.state.engine
     if not eng.ready or eng.gen is None:  # nothing to check against yet
         raise ApiError(503, "the engine failed to load" if eng.load_error else "the engine is loading; retry later",
                        code="server_busy", headers={"Retry-After": "5"})
     gen = eng.gen
+    data = protocol.parse_json(body, gen.max_context)
+    try:
+        req = (ChatRequest if chat else CompletionRequest).model_validate(data)
+    except ValidationError as e:
+        raise protocol.validation_error(e, data) from None
+    _check_model(request, req.model)
     sub = adapter.chat_submission(req, gen.defaults.enable_thinking) if chat else adapter.completion_submission(req)
     return sub, adapter.prepare(gen, sub)
 
@@ -234,6 +240,12 @@ def _check_model(request: Request, model: str | None) -> None:
     if model is not None and model != model_id:
         raise ApiError(404, f"the model {protocol.show(model)} does not exist; this server serves '{model_id}'",
                        param="model", code="model_not_found")
+
+
+def _endpoint(request: Request) -> str:
+    """The metrics label of a request: its route's template, or "unmatched" (a bounded set, whatever the paths)."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
 
 
 def _model_card(request: Request) -> dict[str, Any]:
@@ -290,7 +302,7 @@ async def _watch_client(request: Request, job: Job, eng: Engine) -> None:
 
 
 async def _generate(request: Request, sub: adapter.Submission, kwargs: dict[str, Any]):
-    state, path = request.app.state, request.url.path
+    state, path = request.app.state, _endpoint(request)
     job = Job(kwargs, asyncio.get_running_loop(), name=("chatcmpl-" if sub.chat else "cmpl-") + sub.id)
     try:
         state.engine.submit(job)
@@ -345,14 +357,14 @@ async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: fl
                 if sub.include_usage:
                     yield _data(adapter.chunk(sub, model, res=res))
                 yield "data: [DONE]\n\n"
-                state.metrics.finished(request.url.path, 200, job, res)
+                state.metrics.finished(_endpoint(request), 200, job, res)
                 ended = True
                 return
             else:
                 err = _failure(ev.value, sub.chat)
                 yield _data(err.body())
                 yield "data: [DONE]\n\n"
-                state.metrics.finished(request.url.path, err.status)
+                state.metrics.finished(_endpoint(request), err.status)
                 ended = True
                 return
     finally:
@@ -360,4 +372,4 @@ async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: fl
             job.watcher.cancel()
         if not ended:  # client gone: the row leaves the batch at the next step
             state.engine.cancel(job)
-            state.metrics.finished(request.url.path, 499)
+            state.metrics.finished(_endpoint(request), 499)

@@ -27,7 +27,8 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(PREFIX + "requests", "HTTP generation requests by endpoint and status",
+        self.requests = Counter(PREFIX + "requests", "HTTP generation requests by endpoint (the route's template, or "
+                                "'unmatched') and status",
                                 ["endpoint", "status"], registry=r)
         self.queue_depth = Gauge(PREFIX + "queue_depth", "requests waiting for a slot", registry=r)
         self.running_rows = Gauge(PREFIX + "running_rows", "requests holding a slot in the batch", registry=r)

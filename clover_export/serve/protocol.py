@@ -5,7 +5,8 @@ before anything reaches the engine:
 
 - `check_content_type` and `parse_json`: only `application/json`, no
   NaN/Infinity, nesting bounded by a bracket count before any recursive
-  parse, every string valid Unicode;
+  parse, counts capped (`check_counts`) before anything walks the body,
+  every string valid Unicode;
 - the request models: strict types (no `true` as 1, no `"yes"` as true),
   unknown fields refused, `null` wherever OpenAI accepts it, ranges from the
   one table `RANGES` (OpenAI's for OpenAI's fields, the runtime's for
@@ -22,7 +23,7 @@ import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from pydantic_core import PydanticCustomError
 
 from clover_export.core import generation
@@ -31,6 +32,8 @@ from clover_export.core.generation import Range
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages[i].content[j].text); 32 leaves room for metadata
 MAX_STOP = 16  # stop strings a request may give (OpenAI: 4); the engine searches each one every block
+MAX_MESSAGES = 2048  # OpenAI's limit on `messages`; here also on the text parts of all messages together
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits on `metadata`
 
 
 class ApiError(Exception):
@@ -102,9 +105,10 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def parse_json(body: bytes) -> dict[str, Any]:
+def parse_json(body: bytes, max_context: int | None = None) -> dict[str, Any]:
     """The body as a JSON object, or a 400 `invalid_json`: depth past MAX_JSON_DEPTH, NaN/Infinity,
-    numbers that overflow a double, bytes that are not UTF-8, text that is not Unicode."""
+    numbers that overflow a double, bytes that are not UTF-8; then, given the model's context, its counts
+    (`check_counts`); then a 400 naming the field whose text is not Unicode."""
     if json_depth(body) > MAX_JSON_DEPTH:
         raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
@@ -113,8 +117,39 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    if max_context is not None:
+        check_counts(data, max_context)
     check_unicode(data)
     return data
+
+
+def check_counts(data: dict[str, Any], max_context: int) -> None:
+    """Caps on what a body counts, checked with len() before anything walks it: the Unicode check, the
+    validation and the chat template take time linear in these counts, holding the GIL. `messages`: at most
+    MAX_MESSAGES (OpenAI's) and no more than the context has tokens; text parts of all messages together:
+    MAX_MESSAGES; a prompt's token ids: the context; `metadata`: MAX_METADATA_KEYS keys. A 400 naming the field."""
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        cap = min(MAX_MESSAGES, max_context)
+        if len(messages) > cap:
+            raise ApiError(400, f"'messages' holds {len(messages)} messages, more than {cap} (OpenAI's limit is "
+                                f"{MAX_MESSAGES}; the model's context is {max_context} tokens)", param="messages",
+                           code="array_above_max_length")
+        parts = 0
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            parts += len(content) if isinstance(content, list) else 0
+            if parts > MAX_MESSAGES:
+                raise ApiError(400, f"'messages[{i}].content' brings the content parts of all messages to {parts}, "
+                                    f"more than {MAX_MESSAGES}", param=f"messages[{i}].content",
+                               code="array_above_max_length")
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > max_context:
+        raise ApiError(400, f"'prompt' holds {len(prompt)} items, more than the model's context of {max_context} "
+                            f"tokens", param="prompt", code="context_length_exceeded")
+    metadata = data.get("metadata")
+    if isinstance(metadata, dict) and len(metadata) > MAX_METADATA_KEYS:
+        raise refuse("metadata", f"holds {len(metadata)} keys, more than {MAX_METADATA_KEYS}")
 
 
 def check_unicode(data: Any, path: str = "") -> None:
@@ -157,7 +192,7 @@ NOTES = {
     "max_tokens": "default: the model's generation_config.json; with the prompt it must fit the context",
     "max_completion_tokens": "chat: the same as max_tokens, and wins over it",
     "n": "one choice per request",
-    "temperature": "0 is greedy",
+    "temperature": "0, or anything below 1e-5, is greedy",
     "seed": "sampling only",
     "top_k": "0 = off",
     "min_tokens": "no end token before this many tokens (vLLM)",
@@ -238,7 +273,8 @@ class CommonParams(BaseModel):
     user: str | None = None
     store: bool | None = None
     service_tier: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY)],
+                   Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)]] | None = None  # keys: check_counts
     # vLLM's extras
     min_tokens: ranged("min_tokens") = None
     ignore_eos: ranged("ignore_eos") = None
