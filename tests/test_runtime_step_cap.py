@@ -41,13 +41,23 @@ def test_a_block_may_take_exactly_block_size_steps(model, tiny_dir, fold_commit)
     assert (res.finish_reason, res.blocks, res.denoise_steps) == ("length", 2, 2 * gen.block_size)
 
 
-def test_a_block_that_never_resolves_fails_alone_after_block_size_steps(model, tiny_dir):
-    """temperature 1e39 is inf in the fp32 parameter table: every sampled token is the mask token, so the
-    row fills nothing and would hold its slot forever. The cap fails it after block_size steps; the request
-    beside it gets its single-request answer; both slots are free afterwards."""
+def test_a_block_that_never_resolves_fails_alone_after_block_size_steps(model, tiny_dir, monkeypatch):
+    """An infinite temperature in the fp32 parameter table (a bug: the settings refuse one) makes every
+    sampled token the mask token, so the row fills nothing and would hold its slot forever. The cap fails it
+    after block_size steps; the request beside it gets its single-request answer; both slots are free
+    afterwards."""
+    from clover_export.runtime import controls, runner
+
+    def corrupted(settings):  # the sampling request's row, as an unchecked path could write it
+        row = controls.param_row(settings)
+        if settings.do_sample:
+            row[controls.COLUMNS.index("temperature")] = float("inf")
+        return row
+
+    monkeypatch.setattr(runner, "param_row", corrupted)
     expected = make(model, tiny_dir).generate(SORT, max_new_tokens=64, **ONE_PER_STEP)
     gen = make(model, tiny_dir)
-    stuck = gen.submit("Hi", raw=True, max_new_tokens=8, do_sample=True, temperature=1e39, seed=1)
+    stuck = gen.submit("Hi", raw=True, max_new_tokens=8, do_sample=True, temperature=2.0, seed=1)
     good = gen.submit(SORT, max_new_tokens=64, **ONE_PER_STEP)
     step_until_done(gen, [stuck], gen.block_size + 1)
     assert stuck.request.denoise_steps == gen.block_size and stuck.result.response_tokens == 0
