@@ -37,7 +37,7 @@ if sys.argv[2] == "spread":  # random hidden states and router at the MoE: which
     sc.routed_moe_core = lambda x, w, *a: real(torch.randn(x.shape, generator=g, dtype=x.dtype),
                                                torch.randn(w.shape, generator=g, dtype=w.dtype), *a)
 from clover_export.quantize.calibration import prompt_batch, read_prompts
-from clover_export.quantize.graph import calibrate
+from clover_export.quantize.calibration import calibrate
 from clover_export.quantize.stream_calib import streamed_model
 m = Path(sys.argv[1])
 t = time.perf_counter()

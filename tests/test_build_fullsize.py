@@ -233,8 +233,7 @@ def test_slice_hands_its_embedding_and_lm_head_to_the_streamed_calibration(model
     from clover_export.core.checkpoint import load_state_dict
     from clover_export.core.config import load_config
     from clover_export.core.names import EMBED, LM_HEAD
-    from clover_export.quantize.calibration import BUILTIN_PROMPTS, prompt_batch
-    from clover_export.quantize.graph import calibrate
+    from clover_export.quantize.calibration import BUILTIN_PROMPTS, calibrate, prompt_batch
     from clover_export.quantize.stream_calib import streamed_model
     from clover_export.verify import slice as S
 
@@ -289,8 +288,7 @@ def test_auto_validation_picks_slices_when_the_whole_graph_does_not_fit(model, m
 
 # --- calibration ----------------------------------------------------------------------------
 def test_layer_streamed_calibration_equals_whole_model_calibration(model):
-    from clover_export.quantize.calibration import BUILTIN_PROMPTS, calibration_steps, prompt_batch
-    from clover_export.quantize.graph import calibrate
+    from clover_export.quantize.calibration import BUILTIN_PROMPTS, calibrate, calibration_steps, prompt_batch
     from clover_export.quantize.stream_calib import resident_layers, streamed_model
 
     whole_steps = calibration_steps(model, BUILTIN_PROMPTS[:4], 8)
@@ -334,8 +332,7 @@ def test_streamed_layers_read_ahead_into_reused_buffers(model, tmp_path):
     calibration as reading each layer on entry, and both the same as the whole model."""
     from clover_export.core.checkpoint import load_state_dict
     from clover_export.core.config import load_config
-    from clover_export.quantize.calibration import BUILTIN_PROMPTS, prompt_batch
-    from clover_export.quantize.graph import calibrate
+    from clover_export.quantize.calibration import BUILTIN_PROMPTS, calibrate, prompt_batch
     from clover_export.quantize.stream_calib import streamed_model
     from clover_export.tiny import write_model_folder
 

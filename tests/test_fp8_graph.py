@@ -43,7 +43,7 @@ def build_fp8(model_dir: Path, out: Path) -> tuple[Path, Path, fp8.Fp8Report]:
     export(model_dir, out / "fp32", dtype="fp32")
     art = load_artifact(out / "fp32")
     steps = calibration.calibration_steps(model_dir, calibration.BUILTIN_PROMPTS, art.block_size)
-    amax = fp8.calibrate(model_dir, steps, art.block_size)
+    amax = calibration.calibrate(model_dir, steps, art.block_size)
     return out / "fp32", out / "fp8", fp8.quantize_graph(out / "fp32", out / "fp8", amax)
 
 
@@ -161,7 +161,8 @@ def trained_fp8(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained-fp8")
     export(tiny_dir, out / "fp32", dtype="fp32")
     block = load_artifact(out / "fp32").block_size
-    amax = fp8.calibrate(tiny_dir, calibration.calibration_steps(tiny_dir, calibration.BUILTIN_PROMPTS, block), block)
+    steps = calibration.calibration_steps(tiny_dir, calibration.BUILTIN_PROMPTS, block)
+    amax = calibration.calibrate(tiny_dir, steps, block)
     fp8.quantize_graph(out / "fp32", out / "fp8", amax)
     return out / "fp32", out / "fp8", amax
 
@@ -297,7 +298,7 @@ def test_activation_scales_are_amax_over_448_of_the_fp32_graphs_own_activations(
     try:
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         steps = calibration.calibration_steps(model, calibration.BUILTIN_PROMPTS, art.block_size)
-        pool_len = fp8.step_pool_len(steps, art.block_size)
+        pool_len = calibration.step_pool_len(steps, art.block_size)
         pools = {k: v.numpy() for k, v in allocate_pools(art.config, len(calibration.BUILTIN_PROMPTS),
                                                           pool_len).items()}
         amax = dict.fromkeys(acts, 0.0)
@@ -320,7 +321,7 @@ def test_lm_head_quantized_on_request(random_fp8, tmp_path):
     (It was silently left out before: the lm_head's name does not end in "proj.weight".)"""
     model, fp32_dir, _, _ = random_fp8
     block = load_artifact(fp32_dir).block_size
-    amax = fp8.calibrate(model, calibration.prompt_batch(model, calibration.BUILTIN_PROMPTS[:4], block), block,
+    amax = calibration.calibrate(model, calibration.prompt_batch(model, calibration.BUILTIN_PROMPTS[:4], block), block,
                          include_lm_head=True)
     assert "lm_head.weight" in amax
     report = fp8.quantize_graph(fp32_dir, tmp_path / "fp8-head", amax, include_lm_head=True)

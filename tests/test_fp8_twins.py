@@ -35,7 +35,7 @@ def twins(tiny_dir, tmp_path_factory) -> tuple[Path, Path]:
     for dtype in ("fp32", "bf16"):
         export(tiny_dir, out / f"onnx-{dtype}", dtype=dtype, max_batch=2)
     block = load_artifact(out / "onnx-fp32").block_size
-    amax = fp8.calibrate(
+    amax = calibration.calibrate(
         tiny_dir, calibration.calibration_steps(tiny_dir, calibration.BUILTIN_PROMPTS[:4], block), block
     )
     fp8.quantize_graph(out / "onnx-fp32", out / "onnx-fp8", amax)

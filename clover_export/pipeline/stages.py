@@ -115,7 +115,7 @@ BF16_CHECKED_AT_EXPORT = Stage("validate-onnx-bf16", _bf16_checked_at_export)
 
 # --- FP8 ------------------------------------------------------------------------------------------------------
 def _calibrate(ctx: BuildContext) -> dict:
-    from clover_export.quantize.graph import calibrate
+    from clover_export.quantize.calibration import calibrate
     from clover_export.quantize.stream_calib import streamed_model
 
     t = time.perf_counter()

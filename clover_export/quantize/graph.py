@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from clover_export.artifact.manifest import COPY_BELOW, WEIGHTS_DIR, load_artifact, read_weight_map
@@ -61,63 +60,6 @@ class Fp8Report:
         return {"gemms": self.gemms, "expert_tensors": self.expert_tensors, "activation_scales": self.activations,
                 "bytes_written": self.bytes_written, "include_lm_head": self.include_lm_head,
                 "weights": "e4m3fn, per-output-channel fp32 scales", "activations": "e4m3fn, per-tensor fp32 scales"}
-
-
-# --- calibration -------------------------------------------------------------
-def calibrate(model_dir: Path, steps, block_size: int, include_lm_head: bool = False, model=None) -> dict[str, float]:
-    """amax of the input of every FP8 GEMM (by weight name), over the reference model run on `steps`.
-
-    `steps`: step-graph feeds (names from `names.py`) played in order with the pools carried between
-    them, exactly as the runtime plays them; or a `calibration.PromptBatch`, played as its prefill and
-    then the denoise step that prefill's own logits fill (`calibration_steps` without playing the
-    prefill twice: one pass over the weights fewer, which at full size is a pass over 64 GiB).
-    `model`: the reference model (default: loaded whole; at full size `stream_calib.streamed_model`,
-    one layer's weights resident at a time).
-    """
-    from clover_export.core.config import load_config
-    from clover_export.model.loading import load_model
-    from clover_export.model.model import allocate_pools
-    from clover_export.quantize.calibration import PromptBatch
-
-    cfg = load_config(model_dir)
-    if model is None:
-        model = load_model(model_dir, torch.float32, block_size=block_size)
-    wanted = {n for n in fp8_weight_names(cfg, include_lm_head) if ".experts." not in n}  # experts: bf16 activations
-    amax: dict[str, float] = {}
-    hooks = []
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and f"{mod_name}.weight" in wanted:
-            def hook(m, args, name=f"{mod_name}.weight"):
-                amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
-            hooks.append(mod.register_forward_pre_hook(hook))
-    batch = steps if isinstance(steps, PromptBatch) else None
-    count = 2 if batch is not None else len(steps)
-    pool_len = batch.pool_len() if batch is not None else step_pool_len(steps, block_size)
-    pools = logits = None
-    try:
-        with torch.no_grad():
-            for i in range(count):
-                if batch is None:
-                    feeds = steps[i]
-                else:  # the denoise step is filled from the prefill's logits
-                    feeds = batch.prefill_step() if i == 0 else batch.denoise_step(logits.numpy())
-                if pools is None:
-                    pools = allocate_pools(cfg, int(feeds["slot_ids"].max()) + 1, pool_len)
-                if i == count - 1 and not include_lm_head:  # logits never read: no lm_head GEMM (0.3 TFLOP full size)
-                    model.logits = lambda h: h[..., :0]
-                logits, _, pools = model.step({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}, pools)
-    finally:
-        for h in hooks:
-            h.remove()
-        model.__dict__.pop("logits", None)
-    missing = wanted - set(amax)
-    if missing:
-        raise CloverError("fp8", f"calibration saw no input for {sorted(missing)[:3]}", "an exporter bug")
-    return amax
-
-
-def step_pool_len(steps: list[dict], block_size: int) -> int:
-    return max(int(f["past_len"].max()) + f["input_ids"].shape[1] for f in steps) + block_size
 
 
 # --- graph rewrite -----------------------------------------------------------
