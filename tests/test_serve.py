@@ -42,7 +42,10 @@ class ThreadServer:
     def __init__(self, app):
         self.app, self.port = app, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        # keep-alive past any idle gap of a loaded test run: a client (max_retries=0) that reuses a connection
+        # the server is closing at that instant sees "disconnected without a response"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_keep_alive=600))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
