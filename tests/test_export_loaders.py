@@ -280,14 +280,14 @@ def test_real_reflink_export_loads_everywhere(tiny_dir, tmp_path):
         assert ok, f"{tool}: {why[-600:]}"
 
 
-@pytest.mark.parametrize("size, copy_up_to, placed", [(100, 100, "copy"), (101, 100, "hardlink"), (1, 0, "hardlink")])
-def test_link_file_copies_up_to_its_bound_and_links_above(tmp_path, monkeypatch, size, copy_up_to, placed):
-    """What a build's FP8 folders use for the shared FP8 weight file (no reflinks on this filesystem)."""
+@pytest.mark.parametrize("copy, placed", [(True, "copy"), (False, "hardlink")])
+def test_link_file_copies_when_asked_and_links_otherwise(tmp_path, monkeypatch, copy, placed):
+    """What export and a build's FP8 folders place a file with where the filesystem has no reflinks."""
     from clover_export.exporter import weights as W
 
     monkeypatch.setattr(W, "reflink", lambda src, dst: (_ for _ in ()).throw(OSError("no reflinks")))
     src = tmp_path / "src.bin"
-    src.write_bytes(b"x" * size)
-    assert W.link_file(src, tmp_path / "dst.bin", copy_up_to=copy_up_to) == placed
+    src.write_bytes(b"x" * 100)
+    assert W.link_file(src, tmp_path / "dst.bin", copy=copy) == placed
     assert (tmp_path / "dst.bin").read_bytes() == src.read_bytes()
     assert src.stat().st_nlink == (2 if placed == "hardlink" else 1)

@@ -181,15 +181,15 @@ def hardlink(src: Path, dst: Path) -> None:
     os.link(src, dst)
 
 
-def link_file(src: Path, dst: Path, copy_up_to: int = 0) -> str:
-    """Reflink, else copy a file of at most `copy_up_to` bytes (loads in every tool), else hard-link `src`
+def link_file(src: Path, dst: Path, copy: bool = False) -> str:
+    """Reflink, else (with `copy`: the caller's files are small, `A.COPY_BELOW`) copy, else hard-link `src`
     (already resolved) to `dst`: "reflink" | "copy" | "hardlink"; OSError if none can be made."""
     try:
         reflink(src, dst)
         return "reflink"
     except OSError:
         pass
-    if src.stat().st_size <= copy_up_to:
+    if copy:
         copy_file(src, dst)
         return "copy"
     hardlink(src, dst)
@@ -255,16 +255,10 @@ class WeightWriter:
         reader, zero bytes copied); else a copy when the checkpoint is small (`A.COPY_BELOW`: loads in every
         tool); else a hard link (zero copy, refused by onnx: `REFUSED_BY`). OSError when no hard link can be
         made (another filesystem): the caller falls back to `map`. A failing copy raises from here."""
-        try:
-            reflink(real, dst)
-            return "reflink"
-        except OSError:
-            pass
-        if self.checkpoint_bytes <= A.COPY_BELOW:
-            self.report.bytes_copied += copy_file(real, dst)
-            return "copy"
-        hardlink(real, dst)
-        return "hardlink"
+        how = link_file(real, dst, copy=self.checkpoint_bytes <= A.COPY_BELOW)
+        if how == "copy":
+            self.report.bytes_copied += dst.stat().st_size
+        return how
 
     def _fall_back_to_map(self, real: Path, e: OSError) -> None:
         why = "the output is on another filesystem" if e.errno == errno.EXDEV else (e.strerror or str(e))

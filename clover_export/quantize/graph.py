@@ -126,7 +126,8 @@ def _place_fp8_weights(art, folder: Path, weights, include_lm_head: bool) -> tup
         return own.index, own.bytes_written
     weights = fp8_weights.load_fp8_weights(Path(weights)) if isinstance(weights, (str, Path)) else weights
     try:
-        copied = link_file(weights.bin.resolve(), dst, copy_up_to=COPY_BELOW) == "copy"
+        src = weights.bin.resolve()
+        copied = link_file(src, dst, copy=src.stat().st_size <= COPY_BELOW) == "copy"
         return weights.index, dst.stat().st_size if copied else 0
     except OSError:  # another filesystem: one copy for this folder
         return weights.index, copy_file(weights.bin, dst)
@@ -248,19 +249,23 @@ def _replace_nodes(g, nodes) -> None:
 
 
 def _link_source_files(g, src_dir: Path, dst_dir: Path) -> dict[str, str]:
-    """Give the new folder every in-folder file the remaining initializers read: reflink or hard link
-    (zero copy), else copy. ONNX and ONNX Runtime only read external data inside the model's folder."""
-    how = {}
+    """Give the new folder every in-folder file the remaining initializers read: reflink, else (all of them
+    together up to `COPY_BELOW`, as export decides) copy, else hard link, else (another filesystem) copy.
+    ONNX and ONNX Runtime only read external data inside the model's folder."""
+    locs = []
     for t in g.initializer:
         if t.data_location != TensorProto.EXTERNAL:
             continue
         loc = next(e.value for e in t.external_data if e.key == "location")
-        if loc in how or loc == FP8_FILE or not (src_dir / loc).exists():
-            continue  # absent: a `map` entry, fed from the checkpoint by `ort_session`
+        if loc not in locs and loc != FP8_FILE and (src_dir / loc).exists():
+            locs.append(loc)  # absent: a `map` entry, fed from the checkpoint by `ort_session`
+    small = sum((src_dir / loc).stat().st_size for loc in locs) <= COPY_BELOW
+    how = {}
+    for loc in locs:
         dst = dst_dir / loc
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
-            how[loc] = link_file((src_dir / loc).resolve(), dst, copy_up_to=COPY_BELOW)
+            how[loc] = link_file((src_dir / loc).resolve(), dst, copy=small)
         except OSError:
             copy_file((src_dir / loc).resolve(), dst)
             how[loc] = "copy"
