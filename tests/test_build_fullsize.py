@@ -107,7 +107,7 @@ def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model
     import threading
     import time
 
-    from clover_export.quantize import graph as fp8
+    from clover_export.quantize import calibration
 
     out, logs = tmp_path / "out", [[], []]
     real_q = fp8_weights.quantize_weight
@@ -124,7 +124,7 @@ def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model
         raise KeyboardInterrupt
 
     monkeypatch.setattr(fp8_weights, "quantize_weight", slow)
-    monkeypatch.setattr(fp8, "calibrate", interrupted)
+    monkeypatch.setattr(calibration, "calibrate", interrupted)
     with pytest.raises(KeyboardInterrupt), log_lines() as logs[0]:
         B.build(model, out, B.BuildOptions(**OPTS))
     assert any("writing in the background" in line for line in logs[0])
@@ -140,7 +140,7 @@ def test_background_fp8_weights_stop_with_the_build_and_keep_what_finished(model
         raise RuntimeError("calibration failed")
 
     monkeypatch.setattr(fp8_weights, "quantize_weight", real_q)
-    monkeypatch.setattr(fp8, "calibrate", fails_after_the_writer)
+    monkeypatch.setattr(calibration, "calibrate", fails_after_the_writer)
     (out / ".fp8-weights.killed").mkdir()  # as a writer killed outright (SIGKILL) leaves its temp folder
     (out / ".fp8-weights.killed" / fp8_weights.FP8_BIN).write_bytes(b"partial")
     with pytest.raises(RuntimeError, match="calibration failed"), log_lines() as logs[1]:
