@@ -51,8 +51,8 @@ def ints(*v):
 
 def run(model, ids, n_causal, has_block, slots, past_len, pools):
     with torch.no_grad():
-        out = model(ids, n_causal, has_block, slots, past_len, *pools)
-    return out[0], out[1], list(out[2:])
+        out = model(ids, n_causal, has_block, slots, past_len, torch.zeros_like(slots)[:, None], *pools)
+    return out[0], out[1], list(out[2:-1])
 
 
 def literal(model, ids, n_causal, has_block, slots, past_len, pools):

@@ -250,7 +250,8 @@ def test_top_p_one_in_config_equals_coreset_disabled_in_model():
         ids = torch.randint(0, cfg.vocab_size, (2, 3 + 8), generator=torch.Generator().manual_seed(0)).to(torch.int32)
         one = torch.ones(2, dtype=torch.int32)
         with torch.no_grad():
-            logits, sizes, *_ = m(ids, 3 * one, one, torch.tensor([1, 0], dtype=torch.int32), 0 * one, *pools)
+            logits, sizes, *_ = m(ids, 3 * one, one, torch.tensor([1, 0], dtype=torch.int32), 0 * one, 0 * one[:, None],
+                                  *pools)
         results.append((logits, sizes))
     (l1, s1), (l_off, s_off), (l_half, s_half) = results
     assert (l1 - l_off).abs().max().item() <= 1e-6

@@ -104,6 +104,9 @@ PAST_LEN = "past_len"
 LOGITS = "logits"
 CORESET_SIZE = "coreset_size"  # [B, num_layers] int32 kept-set size per MoE layer (0 for rows without a block)
 STEP_SCALARS = (INPUT_IDS, N_CAUSAL, HAS_BLOCK, SLOT_IDS, PAST_LEN)
+LOGIT_ROWS = "logit_rows"  # [B, R] int32: causal rows whose next-token logits the step returns (STEP_GRAPH.md 6)
+CAUSAL_LOGITS = "causal_logits"  # [B, R, V] float32, the graph's last output (after the present.* pools)
+STEP_INPUTS = (*STEP_SCALARS, LOGIT_ROWS)  # graph inputs before the pools, in order
 
 
 def pool_names(cfg: CloverConfig) -> list[str]:

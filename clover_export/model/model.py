@@ -66,6 +66,19 @@ def linear(i: int, o: int) -> nn.Linear:
     return nn.Linear(i, o, bias=False)
 
 
+class StepResult(tuple):
+    """What one step returns, in every backend: unpacks as (logits [B, N, V], coreset_size [B, layers],
+    new pools by name); `causal_logits` [B, R, V] fp32 holds the next-token logits of the causal rows named
+    by the step's `logit_rows` input (STEP_GRAPH.md 6), read by the lossless decoding modes."""
+
+    causal_logits: torch.Tensor
+
+    def __new__(cls, logits, coreset_size, pools, causal_logits):
+        result = super().__new__(cls, (logits, coreset_size, pools))
+        result.causal_logits = causal_logits
+        return result
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [B, T]
@@ -238,14 +251,21 @@ class CloverModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def forward(self, input_ids, n_causal, has_block, slot_ids, past_len, *pools):
-        """input_ids [B, T] (C causal rows then block_size block rows); pools in `names.pool_names` order.
+    def forward(self, input_ids, n_causal, has_block, slot_ids, past_len, logit_rows, *pools):
+        """input_ids [B, T] (C causal rows then block_size block rows); logit_rows [B, R] causal row indices
+        whose next-token logits are wanted (STEP_GRAPH.md 1, 6); pools in `names.pool_names` order.
 
-        Returns (logits [B, N, V] fp32, coreset_size [B, layers] int32, *new pools). Row i of the logits
-        predicts block position i; with `logits_shift` see `predicting_rows`.
+        Returns (logits [B, N, V] fp32, coreset_size [B, layers] int32, *new pools, causal_logits [B, R, V]
+        fp32). Row i of the logits predicts block position i (with `logits_shift` see `predicting_rows`);
+        causal_logits row r is the upstream model's next-token prediction after causal row logit_rows[b, r]
+        (indices are clamped to the step's rows; the lm_head runs over N + R rows, never the whole chunk).
         """
         h, coreset_size, new_pools = self.trunk(input_ids, n_causal, has_block, slot_ids, past_len, *pools)
-        return (self.logits(self.predicting_rows(h, n_causal)), coreset_size, *new_pools)
+        N = self.block_size
+        rows = logit_rows.long().clamp(0, h.shape[1] - 1)
+        causal = torch.gather(h, 1, rows.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        both = self.logits(torch.cat([self.predicting_rows(h, n_causal), causal], 1))
+        return (both[:, :N], coreset_size, *new_pools, both[:, N:])
 
     def predicting_rows(self, h: torch.Tensor, n_causal: torch.Tensor) -> torch.Tensor:
         """The hidden rows [B, N, D] whose logits predict the block's positions (MODEL.md 5.1).
@@ -289,10 +309,15 @@ class CloverModel(nn.Module):
         return h, coreset_size, new_pools
 
     def step(self, inputs: dict[str, torch.Tensor], pools: dict[str, torch.Tensor]):
-        """Dict form: returns (logits, coreset_size, new pools keyed by past_key_values name)."""
+        """Dict form: a StepResult (logits, coreset_size, new pools keyed by past_key_values name).
+        Without `logit_rows` in `inputs` the logits of causal row 0 are computed."""
         order = names.pool_names(self.cfg)
-        out = self(*(inputs[n] for n in names.STEP_SCALARS), *(pools[n] for n in order))
-        return out[0], out[1], dict(zip(order, out[2:]))
+        ids = inputs[names.INPUT_IDS]
+        rows = inputs.get(names.LOGIT_ROWS)
+        if rows is None:
+            rows = torch.zeros(ids.shape[0], 1, dtype=torch.int32, device=ids.device)
+        out = self(*(inputs[n] for n in names.STEP_SCALARS), rows, *(pools[n] for n in order))
+        return StepResult(out[0], out[1], dict(zip(order, out[2:-1])), out[-1])
 
 
 def allocate_pools(

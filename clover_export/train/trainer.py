@@ -60,7 +60,7 @@ def block_loss(model: CloverModel, batch: Batch) -> torch.Tensor:
     pools = allocate_pools(model.cfg, B, max(C, 1), dtype=model.dtype)
     zeros = torch.zeros(B, dtype=torch.int32)
     logits, _coreset, *_ = model(batch.input_ids, batch.n_causal, torch.ones(B, dtype=torch.int32),
-                                 torch.arange(B, dtype=torch.int32), zeros, *pools.values())
+                                 torch.arange(B, dtype=torch.int32), zeros, zeros[:, None], *pools.values())
     return F.cross_entropy(logits[batch.masked], batch.targets[batch.masked])
 
 
