@@ -19,7 +19,7 @@ COLUMNS = (
     "repetition_penalty", "frequency_penalty", "presence_penalty",
     "dllm_length_penalty", "dllm_length_penalty_start", "dllm_length_penalty_window",
     "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window", "enable_thinking",
-    "min_tokens",
+    "min_tokens", "draft_threshold",
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -54,12 +54,14 @@ def ramp(n: torch.Tensor, start: torch.Tensor, window: torch.Tensor) -> torch.Te
 def apply_controls_(
     l: torch.Tensor,  # [B, N, V] fp32, mask token already -inf; modified in place
     seen_ids: torch.Tensor,  # [B, K] int64: tokens with count > 0 in the response so far, padded
-    seen_counts: torch.Tensor,  # [B, K] fp32: their counts (0 = padding; a padding id must not be a seen id)
-    n: torch.Tensor,  # [B, N] fp32 response index of each block position
+    seen_counts: torch.Tensor,  # [B, K] or per position [B, N, K] fp32: their counts (0 = padding; a padding
+    #                             id must not be a seen id)
+    n: torch.Tensor,  # [B, N] fp32 response index of each position
     p: RowParams,
     end_ids: torch.Tensor,  # [B, E] int64 end-token ids of each row, -1 = padding
     think_end_id: int | None,
-    thinking_open: torch.Tensor | None = None,  # [B] bool: enable_thinking and no </think> counted yet
+    thinking_open: torch.Tensor | None = None,  # [B] or per position [B, N] bool: enable_thinking and no
+    #                                             </think> counted yet
 ) -> torch.Tensor:
     """The five controls of DECODING.md 3, in table order, in place; returns `l`. Then vLLM's
     `min_tokens`: end tokens get -inf at response positions n < min_tokens.
@@ -73,7 +75,7 @@ def apply_controls_(
     if seen_ids.shape[1] > 0:
         idx = seen_ids[:, None, :].expand(B, N, -1)
         v = l.gather(2, idx)  # [B, N, K]
-        c = seen_counts[:, None, :]
+        c = seen_counts if seen_counts.dim() == 3 else seen_counts[:, None, :]
         seen = c > 0
         rep = p.repetition_penalty[:, None, None]
         pen = torch.where(v > 0, v / rep, v * rep)
@@ -85,7 +87,8 @@ def apply_controls_(
     l.scatter_add_(2, end_ids.clamp(min=0)[:, None, :].expand(B, N, -1), length[:, :, None] * valid)
     if think_end_id is not None and thinking_open is not None:
         bias = p.dllm_think_end_bias[:, None] * ramp(n, p.dllm_think_end_start, p.dllm_think_end_window)
-        l[:, :, think_end_id] += bias * thinking_open[:, None].to(l.dtype)
+        open_ = thinking_open if thinking_open.dim() == 2 else thinking_open[:, None]
+        l[:, :, think_end_id] += bias * open_.to(l.dtype)
     early = (n < p.min_tokens[:, None])[:, :, None] & (end_ids >= 0)[:, None, :]  # [B, N, E]
     blocked = torch.where(early, float("-inf"), 0.0)  # padding adds 0 (to column 0)
     l.scatter_add_(2, end_ids.clamp(min=0)[:, None, :].expand(B, N, -1), blocked)

@@ -149,10 +149,11 @@ class Stream:
             request_id=req.request_id, token_ids=list(ids), text=self.tracker.text,
             finish_reason=req.finish_reason or "cancelled", prompt_tokens=req.prompt_len,
             response_tokens=len(ids), denoise_steps=req.denoise_steps, blocks=req.blocks,
-            tokens_per_forward=len(ids) / req.denoise_steps if req.denoise_steps else 0.0,
+            tokens_per_forward=len(ids) / s["forwards"] if s["forwards"] else 0.0,
             forwards_per_block=s["forwards_per_block"], distinct_experts_per_block=s["distinct_experts_per_block"],
             wall_time_s=time.perf_counter() - self.started, prompt_ids=list(req.prompt_ids),
-            cached_tokens=req.cached_tokens,
+            cached_tokens=req.cached_tokens, decoding=req.decoding, forwards=s["forwards"],
+            accepted_per_forward=s["accepted_per_forward"],
             error=str(self.error) if req.error is not None else None,
         )
         self.gen.handles.pop(self.request_id, None)
@@ -248,7 +249,8 @@ class Generator:
         """Queue one request (checked up front, no compute yet); returns its handle."""
         settings = self.settings(**params)
         ids = self.prompt_ids(prompt, messages, prompt_ids, raw, settings.enable_thinking)
-        need = context_needed(len(ids), settings.max_new_tokens, self.block_size, self.cfg.block_alignment)
+        alignment = self.cfg.block_alignment if settings.decoding == "low_confidence" else "prompt_end"
+        need = context_needed(len(ids), settings.max_new_tokens, self.block_size, alignment)
         if need > self.max_context:
             raise CloverError(
                 "generate",
@@ -257,7 +259,7 @@ class Generator:
                 "shorten the prompt or lower max_new_tokens")
         end_ids = frozenset() if settings.ignore_eos else frozenset(settings.eos_token_id) | self.extra_end_ids
         req = Request(ids, settings.max_new_tokens, end_ids, self.block_size, self.mask_id,
-                      self.cfg.block_alignment, params=settings)
+                      self.cfg.block_alignment, params=settings, decoding=settings.decoding)
         hidden = frozenset(settings.eos_token_id) | self.extra_end_ids if settings.ignore_eos else frozenset()
         handle = Stream(self, req, TextTracker(self.tokenizer.decode, end_ids, settings.stop, hidden))
         self.loop.add(req)

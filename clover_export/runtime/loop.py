@@ -97,12 +97,15 @@ class Loop:
         before = {id(r): len(r.response) for r in plan.requests}
         try:
             with self.runner.thread_scope(plan):
-                blocks, coreset = self.runner.run(plan)
+                blocks, coreset, verdicts = self.runner.run(plan)
         except Exception as e:  # noqa: BLE001
             self.runner.restore(snap)
             return events + self._isolate(plan, snap, e)
         self.steps += 1
-        resolved = self.scheduler.update(plan, blocks, coreset)
+        # a rejected draft's rows changed its slot's GDN states: back to before the step (DECODING.md 5)
+        self.runner.rollback(snap, [req.slot for req, v in zip(plan.requests, verdicts)
+                                    if v is not None and v.accepted < len(req.draft)])
+        resolved = self.scheduler.update(plan, blocks, coreset, verdicts)
         events += [BlockEvent(r, r.response[before[id(r)]:], r.finished) for r in resolved]
         return events + [self.fail(r, StepCapExceeded(r)) for r in plan.requests if over_step_cap(r)]
 

@@ -35,13 +35,16 @@ class Result:
     response_tokens: int  # len(token_ids)
     denoise_steps: int
     blocks: int
-    tokens_per_forward: float  # response_tokens (the kept ids) / denoise_steps
+    tokens_per_forward: float  # response_tokens (the kept ids) / forwards (low_confidence: / denoise_steps)
     forwards_per_block: float
     distinct_experts_per_block: float
     wall_time_s: float
     prompt_ids: list[int] = field(default_factory=list, repr=False)
     error: str | None = None  # why the request failed (finish_reason "error")
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (not computed): docs/prefix_cache.md
+    decoding: str = "low_confidence"  # the request's mode (DECODING.md 2, 5)
+    forwards: int = 0  # forwards it took part in after its prompt (low_confidence: its denoise steps)
+    accepted_per_forward: float = 0.0  # self_spec: mean draft tokens accepted per verifying forward
 
     @property
     def reasoning(self) -> str:

@@ -184,7 +184,9 @@ class PrefixCache:
     def _run(self, req: Request) -> TokenRun:
         run = self._runs.get(req.request_id)
         if run is None:
-            run = self._runs[req.request_id] = TokenRun(req.prefill_ids)
+            # ar / self_spec read the logits of the prompt's last row: they resume before it at the latest
+            ids = req.prefill_ids[:-1] if req.lossless else req.prefill_ids
+            run = self._runs[req.request_id] = TokenRun(ids)
         return run
 
     # --- placement --------------------------------------------------------------------

@@ -21,6 +21,7 @@ class Phase(enum.Enum):
     PREFILL = "prefill"  # prompt chunks still to append to the caches
     COMMIT = "commit"  # a resolved block waits for its own causal step (commit not folded)
     DENOISE = "denoise"  # a block is being filled
+    SPEC = "spec"  # ar / self_spec: each step verifies the draft and appends at least one token (DECODING.md 5)
     FINISHED = "finished"
 
 
@@ -54,6 +55,10 @@ class Request:
     cached_tokens: int = 0  # prompt tokens resumed from another request's caches, not computed
     resume: Any = None  # prefix_cache.Resume for Runner.claim, set when the request is placed
     cuts: set[int] = field(default_factory=set)  # positions its prefill chunks end at (points for others)
+    # lossless modes (DECODING.md 5; runtime/speculative.py)
+    decoding: str = "low_confidence"
+    pending: list[int] = field(default_factory=list)  # response tokens not yet in the caches (the last: newest)
+    draft: list[int] = field(default_factory=list)  # unverified tokens after the response (self_spec)
 
     # --- counters (DECODING.md 4 report) ------------------------------------
     denoise_steps: int = 0
@@ -61,8 +66,14 @@ class Request:
     unfolded_commits: int = 0
     blocks: int = 0
     coreset_sum: float = 0.0  # sum over denoise steps of the mean kept-set size over layers
+    forwards: int = 0  # steps that produced or refined response tokens (prefill-only chunks excluded)
+    verifications: int = 0  # steps that verified a non-empty draft
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def __post_init__(self):
+        if self.lossless:  # one token after another from the prompt's end: block alignment plays no part
+            self.alignment = "prompt_end"
         if self.alignment == "absolute":
             cut = len(self.prompt_ids) // self.block_size * self.block_size
         else:
@@ -79,8 +90,16 @@ class Request:
         return self.phase is Phase.FINISHED
 
     @property
+    def lossless(self) -> bool:
+        """ar or self_spec: the output is the causal model's (DECODING.md 5)."""
+        return self.decoding != "low_confidence"
+
+    @property
     def response_base(self) -> int:
-        """Response index n of block position 0 (negative while the prompt tail fills the block's start)."""
+        """Response index n of block position 0 (negative while the prompt tail fills the block's start).
+        Lossless modes: the block sits after the draft, its position 0 where the next bonus token goes."""
+        if self.lossless:
+            return len(self.response) + len(self.draft)
         return len(self.response) - self.tail
 
     def new_block(self) -> None:
@@ -93,6 +112,9 @@ class Request:
     def seen_counts(self) -> Counter:
         """count(token) of DECODING.md 3: the response so far plus the active block's filled response positions."""
         c = self.counts.copy()
+        if self.lossless:  # the block drafts what follows the draft
+            c.update(self.draft)
+            return c
         c.update(t for t in self.block[self.tail:] if t != self.mask_id)
         return c
 
@@ -110,7 +132,11 @@ class Request:
     def take_block(self) -> bool:
         """Append the resolved block's response tokens; True when the request is done (DECODING.md 1.5)."""
         self.blocks += 1
-        for tok in self.block[self.tail:]:
+        return self.append(self.block[self.tail:])
+
+    def append(self, tokens: list[int]) -> bool:
+        """Append response tokens up to the first end token or max_new_tokens; True when the request is done."""
+        for tok in tokens:
             if len(self.response) >= self.max_new_tokens:
                 self.finish_reason = "length"
                 return True
@@ -124,16 +150,25 @@ class Request:
             return True
         return False
 
+    def draft_room(self) -> int:
+        """The most draft tokens worth verifying: the response limit leaves room for them plus a bonus token."""
+        return max(0, min(self.block_size - 1, self.max_new_tokens - len(self.response) - 1))
+
     # --- report (DECODING.md 4) -------------------------------------------------
     def stats(self) -> dict[str, float]:
         steps = self.denoise_steps
+        forwards = self.forwards if self.lossless else steps  # low_confidence: per denoise step (DECODING.md 4)
         return {
             "prompt_tokens": self.prompt_len,
             "cached_tokens": self.cached_tokens,
             "response_tokens": len(self.response),
             "denoise_steps": steps,
             "blocks": self.blocks,
-            "tokens_per_forward": len(self.response) / steps if steps else 0.0,
+            "tokens_per_forward": len(self.response) / forwards if forwards else 0.0,
+            "forwards": forwards,
+            "accepted_per_forward": self.accepted_tokens / self.verifications if self.verifications else 0.0,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "forwards_per_block": (steps + self.unfolded_commits) / self.blocks if self.blocks else 0.0,
             "distinct_experts_per_block": self.coreset_sum / steps if steps else 0.0,
         }

@@ -20,10 +20,11 @@ import torch
 from clover_export.backends.base import Backend
 from clover_export.core import names
 from clover_export.core.errors import CloverError
-from clover_export.runtime.controls import COLUMNS, RowParams, param_row, thinking_open
+from clover_export.runtime.controls import COLUMNS, RowParams, apply_controls_, param_row, thinking_open
 from clover_export.runtime.request import Request
 from clover_export.runtime.scheduler import StepPlan
-from clover_export.runtime.selector import Controls, choose, fill
+from clover_export.runtime.selector import Controls, choose, draw, fill, sampling_probs
+from clover_export.runtime.speculative import Verdict, accept_greedy, accept_sampled, ar_distribution
 
 # observer(plan, logits [B, N, V]) sees a copy of the raw block logits of every step (tests, debugging)
 Observer = Callable[[StepPlan, torch.Tensor], None]
@@ -60,6 +61,7 @@ class Runner:
         self.last_row = (torch.zeros(num_slots, backend.cfg.vocab_size, dtype=torch.float32, device=self.device)
                          if backend.cfg.logits_shift else None)
         self.observer: Observer | None = None
+        self.draft_q: dict[int, torch.Tensor] = {}  # self_spec sampling: per slot, q of its draft's positions
 
     @torch.inference_mode()
     def claim(self, req: Request) -> None:
@@ -83,6 +85,7 @@ class Runner:
                     pool[s].zero_()
             if self.last_row is not None:
                 self.last_row[s].zero_()
+        self.draft_q.pop(s, None)
         if len(ends) > self.end_ids.shape[1]:  # more end tokens than ever before: widen the table
             wider = torch.full((self.end_ids.shape[0], len(ends)), -1, dtype=torch.long, device=self.device)
             wider[:, :self.end_ids.shape[1]] = self.end_ids
@@ -141,13 +144,15 @@ class Runner:
         idx = torch.tensor(causal, dtype=torch.long, device=self.device) if causal else None
         states = {name: pool.index_select(0, idx) for name, pool in self.pools.items()
                   if idx is not None and name.endswith(STATE_POOLS)}
+        if idx is not None and self.last_row is not None:
+            states[LAST_ROW] = self.last_row.index_select(0, idx)
         gens = {s: g.get_state() for s in plan.slot_ids if (g := self.generators[s]) is not None}
         return Snapshot(idx, states, gens)
 
     @torch.inference_mode()
     def restore(self, snap: Snapshot) -> None:
         for name, saved in snap.states.items():
-            self.pools[name].index_copy_(0, snap.slots, saved)
+            (self.last_row if name == LAST_ROW else self.pools[name]).index_copy_(0, snap.slots, saved)
         for s, state in snap.generators.items():
             self.generators[s].set_state(state)
 
@@ -178,38 +183,148 @@ class Runner:
         self.last_row.index_copy_(0, slots, row)
         logits[:, 0] = row
 
+    def _causal_seen(self, plan: StepPlan, R: int) -> tuple[int, list[int], list[int], list[int], list[int]]:
+        """What the controls read at the logit rows of lossless rows (runtime/speculative.py): (K, ids [B, K],
+        per-row counts [B, R, K], response index n [B, R], thinking open [B, R]). Row i counts the response
+        plus the draft's first i tokens; other rows get nothing counted."""
+        per_row = []
+        for r, req in enumerate(plan.requests):
+            if not plan.logit_rows or not plan.logit_rows[r]:
+                per_row.append([])
+                continue
+            c = req.counts.copy()
+            rows = [c.copy()]
+            for tok in req.draft:
+                c[tok] += 1
+                rows.append(c.copy())
+            per_row.append(rows)
+        keys = [sorted(rows[-1]) if rows else [] for rows in per_row]
+        K = max(len(k) for k in keys)
+        ids, counts, n, think = [], [], [], []
+        for r, (req, rows, k) in enumerate(zip(plan.requests, per_row, keys)):
+            ids += k + [self.mask_id] * (K - len(k))
+            for i in range(R):
+                c = rows[min(i, len(rows) - 1)] if rows else {}
+                counts += [c.get(t, 0) for t in k] + [0] * (K - len(k))
+                n.append(len(req.response) + i if rows else 0)
+                think.append(int(bool(rows) and thinking_open(req.params.enable_thinking, self.think_end_id, c)))
+        return K, ids, counts, n, think
+
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[list[list[int]], list[float]]:
-        """One step: returns each row's block tokens after it and its mean coreset size over layers."""
+    def rollback(self, snap: Snapshot, slots: list[int]) -> None:
+        """Put back the GDN states (and logits_shift row) of `slots` as `snap` holds them: a rejected draft's
+        rows changed them (DECODING.md 5; K/V past the accepted length are never read)."""
+        if not slots:
+            return
+        held = snap.slots.tolist()
+        pos = torch.tensor([held.index(s) for s in slots], dtype=torch.long, device=self.device)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        for name, saved in snap.states.items():
+            target = self.last_row if name == LAST_ROW else self.pools[name]
+            target.index_copy_(0, idx, saved.index_select(0, pos))
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> tuple[list[list[int]], list[float], list[Verdict | None]]:
+        """One step: each row's block tokens after it, its mean coreset size over layers, and for lossless
+        rows (ar, self_spec) its Verdict (None for the others)."""
         B, T, N = plan.batch, plan.width, plan.block_size
         K, seen_ids, seen_counts, think = self._seen(plan)
+        logit_rows = plan.logit_row_table()
+        R = len(logit_rows) // B
+        Kc, c_ids, c_counts, c_n, c_think = self._causal_seen(plan, R)
         flat = torch.tensor(plan.input_ids + plan.n_causal + plan.has_block + plan.slot_ids + plan.past_len
-                            + plan.response_base + think + seen_ids + seen_counts, dtype=torch.int32)
+                            + plan.response_base + think + seen_ids + seen_counts + logit_rows
+                            + c_ids + c_counts + c_n + c_think, dtype=torch.int32)
         flat = flat.to(self.device, non_blocking=True)
-        ids, n_causal, has_block, slot_ids, past_len, base, think_open, seen_ids, seen_counts = flat.split(
-            [B * T, B, B, B, B, B, B, B * K, B * K])
+        (ids, n_causal, has_block, slot_ids, past_len, base, think_open, seen_ids, seen_counts, rows,
+         c_ids, c_counts, c_n, c_think) = flat.split([B * T, B, B, B, B, B, B, B * K, B * K, B * R, B * Kc,
+                                                     B * R * Kc, B * R, B * R])
         inputs = {names.INPUT_IDS: ids.view(B, T), names.N_CAUSAL: n_causal, names.HAS_BLOCK: has_block,
-                  names.SLOT_IDS: slot_ids, names.PAST_LEN: past_len}
-        logits, coreset, self.pools = self.backend.step(inputs, self.pools)
+                  names.SLOT_IDS: slot_ids, names.PAST_LEN: past_len, names.LOGIT_ROWS: rows.view(B, R)}
+        result = self.backend.step(inputs, self.pools)
+        logits, coreset, self.pools = result
         if self.last_row is not None:
             self._first_from_last_row(logits, n_causal, slot_ids)
         if self.observer is not None:
             self.observer(plan, logits.clone())
-        if not any(plan.has_block):  # prefill or commit rows only: nothing to select, nothing to read
-            return [[] for _ in range(B)], [0.0] * B
+        lossless = [r for r in range(B) if plan.logit_rows and plan.logit_rows[r]]
+        if not any(plan.has_block) and not lossless:  # prefill or commit rows only: nothing to select or read
+            return [[] for _ in range(B)], [0.0] * B, [None] * B
 
         slots = slot_ids.long()
         n = (base[:, None] + torch.arange(N, device=self.device)).float()
         params = RowParams(self.params.index_select(0, slots))
-        # only rows with a block draw: a row's generator is consumed by its own denoise steps alone, so a
-        # seeded request gives the same tokens whatever else shares the step (DECODING.md 4)
-        rows = [r for r, req in enumerate(plan.requests) if req.params.do_sample and plan.has_block[r]]
-        gens = [self.generators[plan.requests[r].slot] for r in rows]
-        controls = Controls(seen_ids.long().view(B, K), seen_counts.float().view(B, K), n,
-                            self.end_ids.index_select(0, slots), self.think_end_id, think_open != 0)
-        tok, conf = choose(logits, controls, params, self.mask_id, rows, gens,
-                           in_place=True)  # the logits are ours until the next step
+        end_ids = self.end_ids.index_select(0, slots)
+        spec_rows = [r for r in range(B) if plan.requests[r].decoding == "self_spec" and plan.has_block[r]]
+        # only low_confidence rows with a block draw here: a row's generator is consumed by its own steps alone,
+        # so a seeded request gives the same tokens whatever else shares the step (DECODING.md 4)
+        rows_s = [r for r, req in enumerate(plan.requests)
+                  if req.params.do_sample and plan.has_block[r] and not req.lossless]
+        gens = [self.generators[plan.requests[r].slot] for r in rows_s]
+        controls = Controls(seen_ids.long().view(B, K), seen_counts.float().view(B, K), n, end_ids,
+                            self.think_end_id, think_open != 0)
+        tok, conf = choose(logits, controls, params, self.mask_id, rows_s, gens,
+                           in_place=True)  # the logits are ours until the next step; now controlled
+        spec = self._self_spec_drafts(plan, spec_rows, logits, params, tok, conf)
         block = ids.view(B, T)[:, T - N:]
-        new_block, _ = fill(block, tok, conf, params.threshold, self.mask_id, has_block != 0)
-        out = torch.cat([new_block, coreset.to(torch.int32).sum(1, keepdim=True)], 1).tolist()  # the one read
-        return [row[:N] for row in out], [row[N] / self.num_layers for row in out]
+        active = (has_block != 0) & torch.tensor([not req.lossless for req in plan.requests], device=self.device)
+        new_block, _ = fill(block, tok, conf, params.threshold, self.mask_id, active)
+        # the leading confident block positions after position 0: self_spec's next draft (DECODING.md 5)
+        lead = (conf[:, 1:] > params.draft_threshold[:, None]).int().cumprod(1).sum(1, keepdim=True)
+        causal = Controls(c_ids.long().view(B, Kc), c_counts.float().view(B, R, Kc), c_n.float().view(B, R),
+                          end_ids, self.think_end_id, c_think.view(B, R) != 0)
+        ar_tok, sampled = self._verify(plan, lossless, result.causal_logits, causal, params)
+        out = torch.cat([new_block, coreset.to(torch.int32).sum(1, keepdim=True), tok.to(torch.int32),
+                         lead.to(torch.int32), ar_tok.to(torch.int32), sampled], 1).tolist()  # the one read
+        verdicts: list[Verdict | None] = [None] * B
+        for r in lossless:
+            row = out[r]
+            ar, (m, bonus) = row[2 * N + 2:2 * N + 2 + R], row[2 * N + 2 + R:]
+            req = plan.requests[r]
+            if m < 0:
+                m, bonus = accept_greedy(req.draft, ar)
+            draft = []
+            if r in spec and m == len(req.draft) and row[N + 1] == bonus:
+                draft = row[N + 2:2 * N + 1][:row[2 * N + 1]]
+            verdicts[r] = Verdict(m, bonus, draft)
+        return [row[:N] for row in out], [row[N] / self.num_layers for row in out], verdicts
+
+    def _self_spec_drafts(self, plan: StepPlan, rows: list[int], logits, params: RowParams, tok, conf) -> set[int]:
+        """self_spec rows' block fill: greedy rows keep `choose`'s tokens; sampling rows draw from q, the
+        block distribution after the controls and sampling transforms, keep q for the next step's
+        verification, and report max q as the confidence (so the draft's length does not depend on what
+        was drawn). Returns the rows."""
+        for r in rows:
+            req = plan.requests[r]
+            if not req.params.do_sample:
+                continue
+            q = sampling_probs(logits[r], params.temperature[r].expand(plan.block_size),
+                               params.top_k[r].expand(plan.block_size), params.top_p[r].expand(plan.block_size))
+            tok[r] = draw(q, self.generators[req.slot])
+            conf[r] = q.max(-1).values
+            self.draft_q[req.slot] = q[1:]
+        return set(rows)
+
+    def _verify(self, plan: StepPlan, rows: list[int], causal_logits, controls: Controls, params: RowParams):
+        """The AR token of every logit row [B, R] (greedy), and per row (accepted, bonus) drawn by speculative
+        sampling for sampling rows, (-1, -1) for the others (their acceptance is `accept_greedy`'s)."""
+        B = causal_logits.shape[0]
+        sampled = torch.full((B, 2), -1, dtype=torch.int32, device=self.device)
+        if not rows:
+            return torch.zeros(B, causal_logits.shape[1], dtype=torch.int32, device=self.device), sampled
+        l = causal_logits.float().clone()
+        l[..., self.mask_id] = float("-inf")
+        apply_controls_(l, controls.seen_ids, controls.seen_counts, controls.n, params, controls.end_ids,
+                        controls.think_end_id, controls.thinking_open)
+        ar_tok = l.max(-1).indices
+        for r in rows:
+            req = plan.requests[r]
+            if not req.params.do_sample:
+                continue
+            D = len(req.draft)
+            p = ar_distribution(l[r:r + 1, :D + 1], RowParams(params.table[r:r + 1]))[0]
+            q = self.draft_q[req.slot][:D] if D else p[:0]
+            draft = torch.tensor(req.draft, dtype=torch.long, device=self.device)
+            m, bonus = accept_sampled(p, q, draft, self.generators[req.slot])
+            sampled[r, 0], sampled[r, 1] = m, bonus
+        return ar_tok, sampled

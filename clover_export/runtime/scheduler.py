@@ -40,6 +40,7 @@ class StepPlan:
     slot_ids: list[int]
     past_len: list[int]
     response_base: list[int]  # response index of block position 0, per row
+    logit_rows: list[list[int]] | None = None  # per row, the causal rows whose next-token logits it needs
 
     @property
     def batch(self) -> int:
@@ -49,13 +50,20 @@ class StepPlan:
     def width(self) -> int:
         return self.causal_rows + self.block_size
 
+    def logit_row_table(self) -> list[int]:
+        """`logit_rows` as the graph takes it, [B, R] row-major: each row's list padded with 0 (computed, unread)."""
+        lists = self.logit_rows or [[] for _ in self.requests]
+        R = max(1, max(len(rows) for rows in lists))
+        return [i for rows in lists for i in rows + [0] * (R - len(rows))]
+
     def subset(self, rows: list[int]) -> "StepPlan":
         """The same step for some batch rows only (same C)."""
         T = self.width
         return StepPlan([self.requests[r] for r in rows], self.causal_rows, self.block_size,
                         [t for r in rows for t in self.input_ids[r * T:(r + 1) * T]],
                         *([getattr(self, name)[r] for r in rows]
-                          for name in ("n_causal", "has_block", "slot_ids", "past_len", "response_base")))
+                          for name in ("n_causal", "has_block", "slot_ids", "past_len", "response_base")),
+                        logit_rows=[self.logit_rows[r] for r in rows] if self.logit_rows else None)
 
 
 class Scheduler:
@@ -148,8 +156,9 @@ class Scheduler:
         C = max(len(c) for c, _ in rows)
         if self.shapes:
             C = min(max(s.min_causal, C) for s in usable if s.max_causal >= C)
-        plan = StepPlan(list(reqs), C, N, [], [], [], [], [], [])
+        plan = StepPlan(list(reqs), C, N, [], [], [], [], [], [], logit_rows=[])
         for req, (causal, block) in zip(reqs, rows):
+            plan.logit_rows.append(self._logit_rows(req, len(causal)))
             plan.input_ids += causal + [PAD_ID] * (C - len(causal))
             plan.input_ids += block if block is not None else [req.mask_id] * N
             plan.n_causal.append(len(causal))
@@ -161,6 +170,8 @@ class Scheduler:
 
     def _rows(self, req: Request, chunk_len: int) -> tuple[list[int], list[int] | None]:
         """(causal tokens, block tokens or None) of one request for the next step."""
+        if req.lossless:
+            return self._lossless_rows(req, chunk_len)
         if req.phase is Phase.PREFILL:
             pos = req.prefill_pos
             chunk = req.prefill_ids[pos: min([pos + chunk_len] + [c for c in req.cuts if c > pos])]
@@ -174,7 +185,27 @@ class Scheduler:
             return req.pending_commit, None
         return req.pending_commit, req.block  # DENOISE (pending_commit empty unless folded)
 
-    def update(self, plan: StepPlan, blocks: list[list[int]], coreset: list[float]) -> list[Request]:
+    def _lossless_rows(self, req: Request, chunk_len: int) -> tuple[list[int], list[int] | None]:
+        """ar / self_spec (DECODING.md 5): prompt chunks, then the tokens not yet cached followed by the draft;
+        self_spec adds a block of masks after them (its one-step fill is the next draft)."""
+        block = [req.mask_id] * self.block_size if req.decoding == "self_spec" else None
+        if req.phase is Phase.PREFILL:
+            pos = req.prefill_pos
+            chunk = req.prefill_ids[pos: min([pos + chunk_len] + [c for c in req.cuts if c > pos])]
+            return chunk, block if pos + len(chunk) == len(req.prefill_ids) else None
+        return req.pending + req.draft, block
+
+    @staticmethod
+    def _logit_rows(req: Request, n_causal: int) -> list[int]:
+        """The causal rows whose logits a lossless row reads: the last cached-to-be token's row (it predicts
+        the first draft token, or the next token) and each draft row after it. None for other rows."""
+        if not req.lossless or (req.phase is Phase.PREFILL and req.prefill_pos + n_causal < len(req.prefill_ids)):
+            return []
+        first = n_causal - len(req.draft) - 1
+        return list(range(first, n_causal))
+
+    def update(self, plan: StepPlan, blocks: list[list[int]], coreset: list[float],
+               verdicts: list | None = None) -> list[Request]:
         """Advance every request of the step; `blocks` are the block tokens after the step.
 
         Returns the requests whose block resolved this step (their `response`
@@ -186,6 +217,10 @@ class Scheduler:
             if req.finished:  # cancelled while the step ran: its states moved past its parked sequence
                 if self.cache is not None and n_causal:
                     self.cache.invalidate(req.slot)
+                continue
+            if verdicts is not None and verdicts[r] is not None:
+                if self._verified(req, n_causal, verdicts[r]):
+                    resolved.append(req)
                 continue
             req.past_len += n_causal
             if self.cache is not None and n_causal:
@@ -223,3 +258,31 @@ class Scheduler:
                 req.block = []
                 req.phase = Phase.COMMIT
         return resolved
+
+    def _verified(self, req: Request, n_causal: int, v) -> bool:
+        """Move a lossless row on by its step's verdict (runtime/speculative.Verdict); True when its response
+        grew. A fully accepted draft commits every causal row; otherwise the runner has restored the slot's
+        GDN states (Loop.step), nothing is committed and the accepted tokens stay pending (DECODING.md 5)."""
+        full = v.accepted == len(req.draft)
+        prefill = req.phase is Phase.PREFILL
+        new = req.draft[:v.accepted] + [v.bonus]
+        if full:
+            req.past_len += n_causal
+            if prefill:
+                req.prefill_pos += n_causal
+            if self.cache is not None and n_causal:
+                self.cache.advanced(req, n_causal, prefill=prefill)
+            req.pending = [v.bonus]
+        else:
+            req.pending = req.pending + new
+        req.forwards += 1
+        if req.draft:
+            req.verifications += 1
+            req.drafted_tokens += len(req.draft)
+            req.accepted_tokens += v.accepted
+        req.phase = Phase.SPEC
+        if req.append(new):
+            self.finish(req)
+            return True
+        req.draft = v.draft[:req.draft_room()] if full else []
+        return True

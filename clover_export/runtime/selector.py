@@ -54,6 +54,35 @@ def sample(
     return order.gather(-1, j).squeeze(-1), probs.gather(-1, j).squeeze(-1)
 
 
+def sampling_probs(
+    l: torch.Tensor,  # [..., V] controlled logits
+    temperature: torch.Tensor,  # [...] (the logits' leading dims) or broadcastable
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """The distribution `sample` draws from, in vocabulary order: temperature, then top-k, then top-p
+    (stable sort: ties rank the lower id first), renormalised (DECODING.md 2.4). The lossless modes need it
+    whole: speculative sampling compares two of them (runtime/speculative.py)."""
+    V = l.shape[-1]
+    l = l / temperature[..., None]
+    sorted_l, order = torch.sort(l, dim=-1, descending=True, stable=True)
+    rank = torch.arange(V, device=l.device)
+    k = top_k.long()[..., None]
+    sorted_l = sorted_l.masked_fill((k > 0) & (rank >= k), float("-inf"))
+    probs = torch.softmax(sorted_l, dim=-1)
+    before = probs.cumsum(-1) - probs
+    tp = top_p[..., None]
+    sorted_l = sorted_l.masked_fill((tp < 1) & (before >= tp) & (rank > 0), float("-inf"))
+    return torch.zeros_like(l).scatter_(-1, order, torch.softmax(sorted_l, dim=-1))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per leading position of `probs` [..., V]: the exponential race argmax p / E, E ~ Exp(1)
+    from the generator (exact sampling with a fixed amount of randomness)."""
+    noise = torch.empty(probs.shape, device=probs.device).exponential_(generator=generator)
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)  # a zero draw must not make 0/0
+
+
 @dataclass
 class Controls:
     """What the generation controls read besides the logits and the parameter rows (DECODING.md 3)."""

@@ -1,0 +1,186 @@
+"""The lossless modes (DECODING.md 5): `ar` is the causal model's greedy decoding, `self_spec` gives `ar`'s output.
+
+- `ar` equals an independent cache-free loop over transformers' Qwen3_5MoeForCausalLM (the upstream
+  forward), with the generation controls written out by hand here.
+- `self_spec` equals `ar` token for token whatever the draft: drafts from the model on random weights
+  (mostly rejected, so the GDN rollback runs), drafts forced from `ar`'s own continuation with
+  hypothesis-chosen corruptions (accepted, partly accepted, rejected at once), alone and in batches mixed
+  with the other modes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clover_export.runtime import Generator
+from clover_export.runtime.runner import Runner
+
+PROMPTS = ["sort: 5 3 9 1 7 2", "reverse: a b c d e f g", "hello", "sort: 9 8 7 1 1 4 4 2"]
+CONTROLS = dict(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.5)
+
+
+def token_ids(results):
+    return [r.token_ids for r in results]
+
+
+# --- ar against transformers ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_clover_dir(tmp_path_factory, tiny_dir):
+    """A random transformers Qwen3_5MoeForCausalLM saved with save_pretrained, our tokenizer files and a mask
+    token id in its config (the Clover block tensors load zero-filled: `ar` never reads them)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3_5MoeTextConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5MoeForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # every tensor random and mattering, logits spread out
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif name.endswith(("dt_bias", "linear_attn.norm.weight")):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    out = tmp_path_factory.mktemp("qwen-ar") / "model"
+    hf.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_dir / f, out / f)
+    config = json.loads((out / "config.json").read_text())
+    config.update(mask_token_id=5, block_size=8)
+    (out / "config.json").write_text(json.dumps(config))
+    return out, hf
+
+
+def hf_greedy(hf, prompt: list[int], max_new: int, mask_id: int, end_ids: set[int], p: dict) -> list[int]:
+    """Cache-free greedy decoding over the upstream forward: the whole sequence each token, the last row's
+    logits, mask token excluded, then DECODING.md 3's count penalties (the ramps are 0 this early)."""
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        while len(out) < max_new:
+            l = hf(input_ids=torch.tensor([seq])).logits[0, -1].double()
+            l[mask_id] = -math.inf
+            for t, c in Counter(out).items():
+                v = l[t] / p["repetition_penalty"] if l[t] > 0 else l[t] * p["repetition_penalty"]
+                l[t] = v - p["frequency_penalty"] * c - p["presence_penalty"]
+            tok = int(l.argmax())
+            out.append(tok)
+            seq.append(tok)
+            if tok in end_ids:
+                break
+    return out
+
+
+def test_ar_equals_a_cache_free_loop_over_transformers(qwen_clover_dir):
+    folder, hf = qwen_clover_dir
+    with pytest.warns(UserWarning, match="zero-filled"):
+        gen = Generator.load(folder, "torch", dtype="fp32", allow_qwen=True, max_slots=4)
+    prompts = [gen.prompt_ids(p, enable_thinking=False) for p in PROMPTS]
+    got = gen.wait([gen.submit(prompt_ids=ids, decoding="ar", max_new_tokens=24, **CONTROLS) for ids in prompts])
+    ends = set(gen.defaults.eos_token_id) | set(gen.extra_end_ids)
+    for ids, res in zip(prompts, got):
+        want = hf_greedy(hf, ids, 24, gen.mask_id, ends, CONTROLS)
+        assert res.token_ids == want
+        assert res.forwards == len(res.token_ids) and res.tokens_per_forward == 1.0  # one token per forward
+    assert sum(len(r.token_ids) for r in got) > 40  # long enough continuations to mean something
+
+
+# --- self_spec against ar -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def random_gen(random_tiny_dir):
+    return Generator.load(random_tiny_dir, "torch", dtype="fp32", max_slots=4, prefix_cache=False)
+
+
+def run_modes(gen, modes, requests=None, **params):
+    handles = [gen.submit(p, decoding=m, enable_thinking=False, **params) for p, m in zip(PROMPTS, modes)]
+    if requests is not None:
+        requests += [h.request for h in handles]
+    return gen.wait(handles)
+
+
+@pytest.mark.parametrize("draft_threshold", [0.0, 0.3])
+def test_self_spec_equals_ar_on_random_weights_alone_and_mixed(random_gen, draft_threshold):
+    """Random weights draft badly: most drafts are rejected and the slot's GDN states are rolled back."""
+    params = dict(max_new_tokens=40, draft_threshold=draft_threshold, **CONTROLS)
+    ar = run_modes(random_gen, ["ar"] * 4, **params)
+    handles = [random_gen.submit(p, decoding="self_spec", enable_thinking=False, **params) for p in PROMPTS]
+    alone = [h.wait() for h in handles]  # one at a time
+    reqs = []
+    mixed = run_modes(random_gen, ["self_spec", "low_confidence", "self_spec", "ar"], reqs, **params)
+    assert token_ids(alone) == token_ids(ar)
+    assert [mixed[i].token_ids for i in (0, 2, 3)] == [ar[i].token_ids for i in (0, 2, 3)]
+    assert mixed[1].decoding == "low_confidence" and mixed[1].forwards == mixed[1].denoise_steps
+    spec = [h.request for h in handles] + [reqs[0], reqs[2]]
+    drafted, accepted = sum(r.drafted_tokens for r in spec), sum(r.accepted_tokens for r in spec)
+    assert drafted > accepted + 20  # drafts were rejected: the rollback ran
+
+
+class OracleDrafts:
+    """Replaces self_spec's drafts by the `ar` continuation, corrupted at chosen positions: any draft must
+    give `ar`'s output; a correct one must be accepted whole."""
+
+    def __init__(self, truth: dict[int, list[int]], length: int, corrupt: float, rng: random.Random):
+        self.truth, self.length, self.corrupt, self.rng = truth, length, corrupt, rng
+        self.real_run = Runner.run
+
+    def __call__(self, runner, plan):
+        blocks, coreset, verdicts = self.real_run(runner, plan)
+        for req, v in zip(plan.requests, verdicts):
+            if v is None or req.decoding != "self_spec":
+                continue
+            truth = self.truth[tuple(req.prompt_ids)]
+            start = len(req.response) + v.accepted + 1
+            draft = list(truth[start:start + self.length])
+            for i in range(len(draft)):
+                if self.rng.random() < self.corrupt:
+                    draft[i] = (draft[i] + 1 + self.rng.randrange(50)) % runner.backend.cfg.vocab_size
+            v.draft = draft
+        return blocks, coreset, verdicts
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), length=st.integers(0, 31), corrupt=st.sampled_from([0.0, 0.05, 0.3, 1.0]))
+def test_self_spec_equals_ar_for_any_draft(random_gen, monkeypatch, seed, length, corrupt):
+    params = dict(max_new_tokens=40, **CONTROLS)
+    ar = run_modes(random_gen, ["ar"] * 4, **params)
+    prompts = [random_gen.prompt_ids(p, enable_thinking=False) for p in PROMPTS]
+    truth = {tuple(ids): r.token_ids + [0] * 64 for ids, r in zip(prompts, ar)}
+    oracle = OracleDrafts(truth, length, corrupt, random.Random(seed))
+    with monkeypatch.context() as m:
+        m.setattr(Runner, "run", lambda runner, plan: oracle(runner, plan))
+        spec = run_modes(random_gen, ["self_spec", "ar", "self_spec", "self_spec"], **params)
+    assert token_ids(spec) == token_ids(ar)
+    if corrupt == 0.0 and length >= 4:  # correct drafts are accepted whole: about length + 1 tokens a forward
+        for r in (spec[0], spec[2], spec[3]):
+            if len(r.token_ids) > 2 * (length + 1):
+                assert r.tokens_per_forward > min(length, 8) / 2, r
+
+
+def test_self_spec_equals_ar_on_the_trained_default(tiny_dir):
+    """Trained weights draft well: most drafts are accepted, several tokens a forward."""
+    from clover_export.train import tasks
+
+    gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=8)
+    prompts = [ex.prompt for ex in tasks.heldout(8)]
+    ar = gen.wait([gen.submit(p, decoding="ar", enable_thinking=False, max_new_tokens=64) for p in prompts])
+    spec = gen.wait([gen.submit(p, decoding="self_spec", enable_thinking=False, max_new_tokens=64) for p in prompts])
+    assert token_ids(spec) == token_ids(ar)
+    assert sum(len(r.token_ids) for r in spec) / sum(r.forwards for r in spec) >= 3
