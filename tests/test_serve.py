@@ -177,13 +177,14 @@ def test_chat_matches_python_api(client, reference):
         )
         assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (res.prompt_tokens, res.response_tokens)
         assert out.usage.total_tokens == res.prompt_tokens + res.response_tokens
-        assert out.model_extra["clover"] == pytest.approx(
-            {
-                "denoise_steps": res.denoise_steps,
-                "tokens_per_forward": res.tokens_per_forward,
-                "distinct_experts_per_block": res.distinct_experts_per_block,
-            }
-        )
+        assert out.model_extra["clover"] == pytest.approx(clover_of(res))
+
+
+def clover_of(res):
+    """The `clover` object a response must carry for the Python API's Result `res`."""
+    return {"decoding": res.decoding, "denoise_steps": res.denoise_steps, "forwards": res.forwards,
+            "tokens_per_forward": res.tokens_per_forward, "accepted_per_forward": res.accepted_per_forward,
+            "distinct_experts_per_block": res.distinct_experts_per_block}
 
 
 def test_completions_match_python_api_and_finish_reasons(client, reference):
@@ -202,6 +203,46 @@ def test_completions_match_python_api_and_finish_reasons(client, reference):
     ids = reference.tokenizer.encode("The answer is", add_special_tokens=True)
     out = client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=12)
     assert out.choices[0].text == reference.generate(prompt_ids=ids, max_new_tokens=12).text
+
+
+# --- lossless decoding modes (DECODING.md 5) -------------------------------------------------------------------
+LOSSLESS_CASES = [("What is 2 + 3?", 40), ("12*12=", 24)]
+
+
+def test_ar_and_self_spec_report_their_mode_and_agree_token_for_token(client, reference):
+    """extra_body {"decoding": "ar" | "self_spec"} on both endpoints: each answer is the Python API's in that
+    mode, its `clover` object names the mode and counts its forwards; greedy self_spec is ar token for token,
+    in no more forwards (ar: one token per forward, nothing drafted)."""
+    for prompt, max_tokens in LOSSLESS_CASES:
+        outs = {}
+        for mode in ("ar", "self_spec"):
+            out = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            extra_body={"decoding": mode})
+            res = reference.generate(prompt, raw=True, max_new_tokens=max_tokens, decoding=mode)
+            assert out.model_extra["clover"]["decoding"] == mode
+            assert out.choices[0].text == res.text
+            assert out.usage.completion_tokens == res.response_tokens
+            assert out.model_extra["clover"] == pytest.approx(clover_of(res))
+            outs[mode] = out
+        ar, spec = (outs[m].model_extra["clover"] for m in ("ar", "self_spec"))
+        assert outs["self_spec"].choices[0].text == outs["ar"].choices[0].text
+        assert outs["self_spec"].usage.completion_tokens == outs["ar"].usage.completion_tokens
+        assert ar["accepted_per_forward"] == 0 and ar["forwards"] >= outs["ar"].usage.completion_tokens - 1
+        assert 0 < spec["forwards"] <= ar["forwards"]
+    prompt, kw, max_tokens = CHAT_CASES[1]
+    texts = {}
+    for mode in ("ar", "self_spec"):
+        args = chat_args(prompt, kw, max_tokens)
+        args["extra_body"] = {**args["extra_body"], "decoding": mode, "draft_threshold": 0.3}
+        out = client.chat.completions.create(**args)
+        res = reference.generate(prompt, max_new_tokens=max_tokens, decoding=mode, draft_threshold=0.3, **kw)
+        assert out.model_extra["clover"]["decoding"] == mode
+        assert out.choices[0].message.content == res.text.strip()
+        chunks, _, _, content = stream_chat(client, **args)  # the usage chunk reports the mode too
+        assert content == out.choices[0].message.content
+        assert chunks[-1].model_extra["clover"]["decoding"] == mode
+        texts[mode] = out.choices[0].message.content
+    assert texts["self_spec"] == texts["ar"]
 
 
 def stream_chat(client, **kw):
@@ -329,6 +370,10 @@ BAD_REQUESTS = [
     ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, None, None),
     ({**CHAT, "max_tokens": 4000}, "messages", "context_length_exceeded"),
     ({**CHAT, "chat_template_kwargs": {"foo": True}}, None, None),
+    ({**CHAT, "decoding": "fast"}, "decoding", None),
+    ({**CHAT, "decoding": "AR"}, "decoding", None),
+    ({**CHAT, "draft_threshold": 2}, "draft_threshold", None),
+    ({**CHAT, "draft_threshold": -0.1}, "draft_threshold", None),
 ]
 
 
@@ -359,6 +404,14 @@ def test_other_errors(server, client):
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="Hi")
+    for extra, param in (({"decoding": "fast"}, "decoding"), ({"draft_threshold": 2}, "draft_threshold")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=8, extra_body=extra)
+        assert e.value.status_code == 400 and e.value.body["param"] == param
+        assert param in e.value.body["message"]
+    err = check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "decoding": "fast"}), 400,
+                      "decoding")
+    assert '"low_confidence", "ar", "self_spec"' in err["message"] and '"fast"' in err["message"]
     # a stream that is refused is refused before any event: a plain error response
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], stream=True,
@@ -478,6 +531,23 @@ def test_models_and_metrics(server, client):
     assert delta("clover_step_seconds_count") >= out.model_extra["clover"]["denoise_steps"]
     assert "clover_queue_depth{}" in after and "clover_running_rows{}" in after
     assert after.get('clover_requests_total{"endpoint": "/v1/chat/completions", "status": "400"}', 0) >= 1
+    # low_confidence by default: counted by its mode, nothing drafted to observe
+    assert delta("clover_decoding_requests_total", {"decoding": "low_confidence"}) == 1
+    assert delta("clover_decoding_requests_total", {"decoding": "self_spec"}) == 0
+    assert delta("clover_accepted_per_forward_count") == 0
+    # a self_spec request: one observation of its accepted draft tokens per verifying forward
+    before = after
+    out = client.completions.create(model=MODEL_ID, prompt="What is 2 + 3?", max_tokens=40,
+                                    extra_body={"decoding": "self_spec"})
+    after = figures()
+    assert delta("clover_decoding_requests_total", {"decoding": "self_spec"}) == 1
+    assert delta("clover_accepted_per_forward_count") == 1
+    assert delta("clover_accepted_per_forward_sum") == pytest.approx(out.model_extra["clover"]["accepted_per_forward"])
+    assert delta("clover_tokens_per_forward_sum") == pytest.approx(out.model_extra["clover"]["tokens_per_forward"])
+    # the mode label holds the validated modes only
+    modes = {json.loads(k[len("clover_decoding_requests_total"):])["decoding"] for k in after
+             if k.startswith("clover_decoding_requests_total{")}
+    assert modes == {"low_confidence", "ar", "self_spec"}
 
 
 def test_metrics_label_requests_by_route_not_by_raw_path(server):

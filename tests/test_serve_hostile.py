@@ -208,6 +208,15 @@ HOSTILE = [
      "metadata." + "k" * 65),
     ("metadata-long-value", json.dumps({"prompt": "Hi", "metadata": {"k": "v" * 513}}).encode(), JSON_AUTH, 400, None,
      "metadata.k"),
+    ("decoding-number", b'{"prompt": "Hi", "decoding": 1}', JSON_AUTH, 400, None, "decoding"),
+    ("decoding-true", b'{"prompt": "Hi", "decoding": true}', JSON_AUTH, 400, None, "decoding"),
+    ("decoding-list", b'{"prompt": "Hi", "decoding": ["ar"]}', JSON_AUTH, 400, None, "decoding"),
+    ("decoding-10kB", json.dumps({"prompt": "Hi", "decoding": "ar" * 5000}).encode(), JSON_AUTH, 400, None,
+     "decoding"),
+    ("decoding-padded", b'{"prompt": "Hi", "decoding": " ar"}', JSON_AUTH, 400, None, "decoding"),
+    ("draft_threshold-string", b'{"prompt": "Hi", "draft_threshold": "0.5"}', JSON_AUTH, 400, None,
+     "draft_threshold"),
+    ("draft_threshold-1e308", b'{"prompt": "Hi", "draft_threshold": 1e308}', JSON_AUTH, 400, None, "draft_threshold"),
     (
         "huge-model-name",
         json.dumps({"prompt": "Hi", "model": "m" * 100_000}).encode(),
@@ -249,7 +258,8 @@ def test_error_messages_name_the_public_parameter(server):
 IGNORED = [{"n": None}, {"stream": None}, {"n": 1}, {"store": True}, {"service_tier": "auto"},
            {"metadata": {"purpose": "test"}}, {"metadata": {f"{i:064d}": "v" * 512 for i in range(16)}},
            {"user": "u-1"}, {"logit_bias": {}}, {"logprobs": None},
-           {"stream_options": {"continuous_usage_stats": True}}, {"temperature": None, "top_p": None, "seed": None}]
+           {"stream_options": {"continuous_usage_stats": True}}, {"temperature": None, "top_p": None, "seed": None},
+           {"decoding": None, "draft_threshold": None}]
 
 
 @pytest.mark.parametrize("extra", IGNORED, ids=[next(iter(e)) for e in IGNORED])

@@ -29,8 +29,9 @@ OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
 # one, NFKC maps one 4-byte letter to one ASCII letter): the cheap prompt bound divides by it when one is set
 NORMALIZER_FOLD = 4
 _PASSED = ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-           "ignore_eos", "block_size", "threshold", "dllm_length_penalty", "dllm_length_penalty_start",
-           "dllm_length_penalty_window", "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window")
+           "ignore_eos", "block_size", "decoding", "draft_threshold", "threshold", "dllm_length_penalty",
+           "dllm_length_penalty_start", "dllm_length_penalty_window", "dllm_think_end_bias", "dllm_think_end_start",
+           "dllm_think_end_window")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Submission:
     ids: list[int] | None = None  # completion prompt as token ids
     stream: bool = False
     include_usage: bool = False
+    decoding: str | None = None  # the decoding mode it runs with (the request's or the model's default), set by prepare
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -153,6 +155,7 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
         settings = gen.settings(**sub.params)
     except CloverError as e:
         raise api_error(e, sub.chat) from None
+    sub.decoding = settings.decoding
     if sub.ids is None:
         text = sub.text if sub.text is not None else _render(gen, sub.messages, settings.enable_thinking)
         limit = gen.max_context * chars_per_token(gen.tokenizer)
@@ -255,9 +258,19 @@ def usage(res) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
 
 
-def clover_stats(res) -> dict[str, float]:
-    return {"denoise_steps": res.denoise_steps, "tokens_per_forward": res.tokens_per_forward,
+def clover_stats(res, decoding: str | None = None) -> dict[str, Any]:
+    """The `clover` object: the request's decoding mode and the runtime's figures (DECODING.md 4, 5)."""
+    return {"decoding": getattr(res, "decoding", None) or decoding, "denoise_steps": res.denoise_steps,
+            "forwards": forwards(res), "tokens_per_forward": res.tokens_per_forward,
+            "accepted_per_forward": getattr(res, "accepted_per_forward", 0.0),
             "distinct_experts_per_block": res.distinct_experts_per_block}
+
+
+def forwards(res) -> int:
+    """Forwards the request took part in after its prompt (DECODING.md 5): the Result's, else (low_confidence)
+    its denoise steps."""
+    given = getattr(res, "forwards", None)
+    return int(given) if given is not None else res.denoise_steps
 
 
 def response(sub: Submission, model: str, res) -> dict[str, Any]:
@@ -274,7 +287,7 @@ def response(sub: Submission, model: str, res) -> dict[str, Any]:
         choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
         kind, prefix = "text_completion", "cmpl-"
     return {"id": prefix + sub.id, "object": kind, "created": sub.created, "model": model, "choices": [choice],
-            "usage": usage(res), "clover": clover_stats(res)}
+            "usage": usage(res), "clover": clover_stats(res, sub.decoding)}
 
 
 def chunk(sub: Submission, model: str, reasoning: str = "", content: str = "", finish: str | None = None,
@@ -294,7 +307,7 @@ def chunk(sub: Submission, model: str, reasoning: str = "", content: str = "", f
     body = {"id": prefix + sub.id, "object": kind, "created": sub.created, "model": model,
             "choices": [] if res is not None else choices}
     if res is not None:
-        body["usage"], body["clover"] = usage(res), clover_stats(res)
+        body["usage"], body["clover"] = usage(res), clover_stats(res, sub.decoding)
     elif sub.include_usage:  # OpenAI: every chunk carries usage, null until the usage chunk
         body["usage"] = None
     return body

@@ -321,7 +321,7 @@ async def _generate(request: Request, sub: adapter.Submission, kwargs: dict[str,
             if ev.kind == "error":
                 raise _failure(ev.value, sub.chat)
             if ev.kind == "done":
-                state.metrics.finished(path, 200, job, ev.value)
+                state.metrics.finished(path, 200, job, ev.value, sub.decoding)
                 return adapter.response(sub, state.options.model_id, ev.value)
     except ClientGone:
         state.metrics.finished(path, 499)
@@ -357,7 +357,7 @@ async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: fl
                 if sub.include_usage:
                     yield _data(adapter.chunk(sub, model, res=res))
                 yield "data: [DONE]\n\n"
-                state.metrics.finished(_endpoint(request), 200, job, res)
+                state.metrics.finished(_endpoint(request), 200, job, res, sub.decoding)
                 ended = True
                 return
             else:

@@ -2,7 +2,9 @@
 
 Per request: status, time to first block, end-to-end latency, tokens, and
 the dLLM figures (denoise steps, tokens per forward, distinct experts per
-block, DECODING.md 4), prompt tokens resumed from the prefix cache. Per
+block, DECODING.md 4), prompt tokens resumed from the prefix cache; per
+finished request its decoding mode (a label of the validated modes only) and,
+for self_spec, the draft tokens accepted per verifying forward (DECODING.md 5). Per
 engine step: step time, running rows, queue depth. At each scrape: the
 prefix cache's hit rate and bytes (docs/prefix_cache.md).
 """
@@ -19,6 +21,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from clover_export.core.generation import DECODING_MODES
+from clover_export.serve import adapter
 
 PREFIX = "clover_"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -40,8 +45,16 @@ class Metrics:
         self.generated_tokens = Counter(PREFIX + "generated_tokens", "response tokens of finished requests",
                                         registry=r)
         self.denoise_steps = Counter(PREFIX + "denoise_steps", "denoise steps of finished requests", registry=r)
-        self.tokens_per_forward = Histogram(PREFIX + "tokens_per_forward", "response tokens per denoise step",
+        self.tokens_per_forward = Histogram(PREFIX + "tokens_per_forward", "response tokens per forward",
                                             buckets=(0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.decoding = Counter(PREFIX + "decoding_requests", "finished generation requests by decoding mode",
+                                ["decoding"], registry=r)
+        for mode in DECODING_MODES:  # every series from the start, and no others
+            self.decoding.labels(mode)
+        self.accepted_per_forward = Histogram(PREFIX + "accepted_per_forward",
+                                              "self_spec: mean draft tokens accepted per verifying forward, per "
+                                              "finished request", buckets=(0, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32),
+                                              registry=r)
         self.distinct_experts = Histogram(PREFIX + "distinct_experts_per_block",
                                           "mean kept-set size per denoise step (coreset)",
                                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
@@ -62,10 +75,17 @@ class Metrics:
         self.running_rows.set(running)
         self.queue_depth.set(waiting)
 
-    def finished(self, endpoint: str, status: int, job=None, result=None) -> None:
+    def finished(self, endpoint: str, status: int, job=None, result=None, decoding: str | None = None) -> None:
+        """One answered request; with its job and Result (status 200), its figures. `decoding`: the mode it
+        ran with, one of DECODING_MODES (validated before the engine took it)."""
         self.requests.labels(endpoint, str(status)).inc()
         if job is None or result is None:
             return
+        decoding = getattr(result, "decoding", None) or decoding
+        if decoding in DECODING_MODES:
+            self.decoding.labels(decoding).inc()
+        if decoding == "self_spec":
+            self.accepted_per_forward.observe(getattr(result, "accepted_per_forward", 0.0))
         if job.first_block is not None:
             self.time_to_first_block.observe(job.first_block - job.submitted)
         self.latency.observe(time.perf_counter() - job.submitted)
@@ -73,8 +93,9 @@ class Metrics:
         self.cached_tokens.inc(result.cached_tokens)
         self.generated_tokens.inc(result.response_tokens)
         self.denoise_steps.inc(result.denoise_steps)
-        if result.denoise_steps:
+        if adapter.forwards(result):
             self.tokens_per_forward.observe(result.tokens_per_forward)
+        if result.denoise_steps:
             self.distinct_experts.observe(result.distinct_experts_per_block)
 
     def cache(self, cache) -> None:

@@ -10,7 +10,7 @@ before anything reaches the engine:
 - the request models: strict types (no `true` as 1, no `"yes"` as true),
   unknown fields refused, `null` wherever OpenAI accepts it, ranges from the
   one table `RANGES` (OpenAI's for OpenAI's fields, the runtime's for
-  Clover's own), which `ranges_markdown` renders into docs/serving.md;
+  Clover's own, `decoding` among them), which `ranges_markdown` renders into docs/serving.md;
 - `validation_error`: a pydantic error as a 400 naming the public field
   (`messages[0].content`), whatever union member pydantic tried.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -168,11 +169,27 @@ def check_unicode(data: Any, path: str = "") -> None:
 
 
 # --- the parameter table ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Choice:
+    """Accepted values of a string parameter: one of `values` (checked and described as a `Range` is)."""
+
+    values: tuple[str, ...]
+    kind: str = "str"
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(json.dumps(v) for v in self.values)
+
+    def check(self, name: str, value: Any) -> None:
+        """CloverError naming the parameter unless `value` is one of the values."""
+        if not isinstance(value, str) or value not in self.values:
+            raise CloverError("generate", f"parameter '{name}' must be {self.describe()}, got {show(value)}")
+
+
 CLOVER_KNOBS = ("threshold", "dllm_length_penalty", "dllm_length_penalty_start", "dllm_length_penalty_window",
-                "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window")
+                "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window", "draft_threshold")
 # The one table of request ranges (SERVING.md 5): OpenAI's for OpenAI's fields, the runtime's
 # (generation.RANGES, DECODING.md 1.2) for the vLLM extras and Clover's own knobs.
-RANGES: dict[str, Range] = {
+RANGES: dict[str, Range | Choice] = {
     "max_tokens": Range("int", 1),
     "max_completion_tokens": Range("int", 1),
     "n": Range("int", 1, 1),
@@ -186,6 +203,7 @@ RANGES: dict[str, Range] = {
     "min_tokens": generation.RANGES["min_tokens"],
     "ignore_eos": generation.RANGES["ignore_eos"],
     "block_size": Range("int", 1),  # and equal to the engine's (checked against it)
+    "decoding": Choice(generation.DECODING_MODES),
     **{name: generation.RANGES[name] for name in CLOVER_KNOBS},
 }
 NOTES = {
@@ -198,11 +216,18 @@ NOTES = {
     "min_tokens": "no end token before this many tokens (vLLM)",
     "ignore_eos": "end tokens do not end the response (vLLM)",
     "block_size": "must equal the engine's",
+    "decoding": "low_confidence: block diffusion, the fastest, its text differs from ar's; ar: autoregressive, one "
+                "token per forward, the reference; self_spec: ar's output (greedy: token for token; sampling: the "
+                "same distribution), several tokens per forward",
+    "draft_threshold": "self_spec: how confident a block position must be to be drafted (0: every position, "
+                       "1: none)",
 }
 
 
-def describe(rng: Range) -> str:
+def describe(rng: Range | Choice) -> str:
     """A range in words; a one-value range is its value."""
+    if isinstance(rng, Choice):
+        return rng.describe()
     one = rng.kind != "bool" and rng.low == rng.high and not rng.low_open
     return str(rng.low) if one else rng.describe()
 
@@ -223,7 +248,7 @@ def _in_range(name: str):
 
 def ranged(name: str):
     """The field type of table entry `name`: its kind strictly, null, and its range."""
-    kind = {"int": int, "real": float, "bool": bool}[RANGES[name].kind]
+    kind = {"int": int, "real": float, "bool": bool, "str": str}[RANGES[name].kind]
     return Annotated[kind | None, AfterValidator(_in_range(name))]
 
 
@@ -280,6 +305,8 @@ class CommonParams(BaseModel):
     ignore_eos: ranged("ignore_eos") = None
     # Clover's own knobs (generation-config names, DECODING.md 3)
     block_size: ranged("block_size") = None
+    decoding: ranged("decoding") = None
+    draft_threshold: ranged("draft_threshold") = None
     threshold: ranged("threshold") = None
     dllm_length_penalty: ranged("dllm_length_penalty") = None
     dllm_length_penalty_start: ranged("dllm_length_penalty_start") = None
