@@ -45,6 +45,10 @@ CASES = {
                               ["[generate]", "context limit"]),
     "generate_block_size_0": (["generate", "{tiny}", "--prompt", "hi", "--block-size", "0"], ["block_size", "got 0"]),
     "generate_bad_device": (["generate", "{tiny}", "--prompt", "hi", "--device", "foo"], ["[runtime]", "'foo'"]),
+    "generate_decoding_bogus": (["generate", "{tiny}", "--prompt", "hi", "--decoding", "bogus"],
+                                ["[cli]", "--decoding", "'bogus' is not one of", "'self_spec'"]),
+    "generate_draft_threshold_2": (["generate", "{tiny}", "--prompt", "hi", "--decoding", "self_spec",
+                                    "--draft-threshold", "2"], ["'draft_threshold'", "[0, 1]"]),
     "compare_corrupt_golden": (["compare", "{tmp}/bad.json", "{tiny}"], ["[golden]", "bad.json", "not valid JSON"]),
 }
 # OUT policy (clover_export/artifact/outdir.py): a user's folder or file is never replaced, --force or not

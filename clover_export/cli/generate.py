@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from clover_export.core import generation
 from clover_export.core.errors import CloverError
 
 
@@ -41,6 +42,17 @@ def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen
                    "kernels with CUDA graphs; CPU only under TRITON_INTERPRET=1). "
                    "Default: ort for an artifact folder (it has manifest.json), triton on a CUDA GPU without "
                    "TensorRT, torch otherwise.")
+@click.option("--decoding", type=click.Choice(generation.DECODING_MODES), default=None,
+              help="How tokens are chosen (default: the model's generation_config.json, else "
+                   f"{generation.GenerationSettings.decoding}). low_confidence: block diffusion, the fastest; "
+                   "its text differs from ar's. ar: greedy (or sampled) autoregressive decoding of the causal "
+                   "mode, one token per forward: the reference. self_spec: the same output as ar (greedy: token "
+                   "for token; sampling: the same distribution), several tokens per forward (the block drafts, "
+                   "the causal rows verify).")
+@click.option("--draft-threshold", type=float, default=None,
+              help="self_spec: how confident a block position must be to be drafted, in [0, 1] (0: every "
+                   f"position, 1: none; default {generation.DRAFT_THRESHOLD}). Changes the speed only: not the "
+                   "greedy output, nor the sampled distribution.")
 @click.option("--max-new-tokens", type=int, default=None, help="Hard limit on response tokens.")
 @click.option("--threshold", type=float, default=None, help="LowConfidence threshold in (0, 1].")
 @click.option("--block-size", type=int, default=None,
@@ -61,21 +73,24 @@ def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen
               help="CPU threads (torch intra-op, or ONNX Runtime intra-op). Default: OMP_NUM_THREADS if set, "
                    "else sized from the work (the embedded default runs on one).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per request instead of streaming text.")
-def generate(model, prompts, backend, max_new_tokens, threshold, block_size, no_think, seed, sample, temperature,
-             top_k, top_p, stop, raw, dtype, device, threads, as_json):
-    """Generate with block diffusion (LowConfidence decoding) from MODEL.
+def generate(model, prompts, backend, decoding, draft_threshold, max_new_tokens, threshold, block_size, no_think, seed,
+             sample, temperature, top_k, top_p, stop, raw, dtype, device, threads, as_json):
+    """Generate from MODEL: block diffusion (LowConfidence) by default, or
+    autoregressive (--decoding ar / self_spec).
 
     MODEL is a model folder, an exported artifact folder (ort), an engine
     (trt), or left out for the embedded default. Text streams one committed
-    block at a time; --json prints, per request, token_ids, text,
-    denoise_steps, tokens_per_forward, forwards_per_block,
-    distinct_experts_per_block, prompt_tokens, response_tokens, wall_time_s
-    (see `Result` in clover_export/runtime/output.py). A stop string is in
-    neither text nor token_ids (ids end before the token reaching into it);
-    response_tokens and tokens_per_forward count the kept ids only.
+    block at a time; --json prints, per request, token_ids, text, decoding,
+    denoise_steps, forwards, tokens_per_forward, accepted_per_forward,
+    forwards_per_block, distinct_experts_per_block, prompt_tokens,
+    response_tokens, wall_time_s (see `Result` in
+    clover_export/runtime/output.py). A stop string is in neither text nor
+    token_ids (ids end before the token reaching into it); response_tokens
+    and tokens_per_forward count the kept ids only.
     """
     params = dict(max_new_tokens=max_new_tokens, threshold=threshold, seed=seed, temperature=temperature,
-                  top_k=top_k, top_p=top_p, stop=list(stop) or None)
+                  top_k=top_k, top_p=top_p, stop=list(stop) or None, decoding=decoding,
+                  draft_threshold=draft_threshold)
     if no_think:
         params["enable_thinking"] = False
     if sample or temperature is not None or top_k is not None or top_p is not None:
@@ -88,7 +103,7 @@ def generate(model, prompts, backend, max_new_tokens, threshold, block_size, no_
     handles = [gen.submit(p, raw=raw, **params) for p in prompts]  # all checked before any compute
     if as_json:
         for res in gen.wait(handles):
-            click.echo(json.dumps(res.to_dict()))
+            click.echo(json.dumps(_report(res, decoding or gen.defaults.decoding)))
         return
     if len(handles) == 1:
         for chunk in handles[0]:
@@ -98,6 +113,16 @@ def generate(model, prompts, backend, max_new_tokens, threshold, block_size, no_
         return
     for i, res in enumerate(gen.wait(handles)):
         click.echo(f"--- [{i}] {res.finish_reason}, {res.response_tokens} tokens\n{res.text}")
+
+
+def _report(res, decoding: str) -> dict:
+    """The --json object of one Result: its fields, with the decoding figures (DECODING.md 5) always present
+    (forwards: the denoise steps where the Result does not count them itself, as low_confidence does)."""
+    d = res.to_dict()
+    d.setdefault("decoding", decoding)
+    d.setdefault("forwards", res.denoise_steps)
+    d.setdefault("accepted_per_forward", 0.0)
+    return d
 
 
 @click.command()

@@ -1,0 +1,57 @@
+"""`clover-export generate`'s decoding options: --decoding, --draft-threshold and the figures --json prints
+(DECODING.md 5). User errors of the command as a subprocess are in test_cli_errors.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from clover_export.cli import main
+from clover_export.core import generation
+
+
+def run_json(*args):
+    r = CliRunner().invoke(main, ["generate", "--prompt", "What is 2 + 3?", "--raw", "--max-new-tokens", "24",
+                                  "--json", *args])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output.strip().splitlines()[-1])
+
+
+def test_help_says_what_each_mode_guarantees():
+    r = CliRunner().invoke(main, ["generate", "--help"])
+    assert r.exit_code == 0
+    out = " ".join(r.output.split())  # click wraps the help text
+    assert "--decoding [" + "|".join(generation.DECODING_MODES) + "]" in out
+    assert "--draft-threshold FLOAT" in out
+    for claim in ("low_confidence: block diffusion, the fastest", "its text differs from ar's",
+                  "one token per forward: the reference", "self_spec: the same output as ar",
+                  "greedy: token for token", "sampling: the same distribution", "several tokens per forward"):
+        assert claim in out, claim
+
+
+def test_json_reports_the_mode_and_its_forwards():
+    """--decoding ar / self_spec: --json names the mode and counts forwards and accepted drafts; greedy
+    self_spec prints ar's tokens in no more forwards; left out, the model's default mode is reported."""
+    ar = run_json("--decoding", "ar")
+    assert ar["decoding"] == "ar"
+    assert ar["forwards"] >= ar["response_tokens"] - 1 and ar["accepted_per_forward"] == 0
+    assert ar["tokens_per_forward"] == pytest.approx(ar["response_tokens"] / ar["forwards"])
+    spec = run_json("--decoding", "self_spec", "--draft-threshold", "0.3")
+    assert spec["decoding"] == "self_spec"
+    assert (spec["token_ids"], spec["text"]) == (ar["token_ids"], ar["text"])
+    assert 0 < spec["forwards"] <= ar["forwards"] and spec["accepted_per_forward"] >= 0
+    assert spec["tokens_per_forward"] == pytest.approx(spec["response_tokens"] / spec["forwards"])
+    default = run_json()
+    assert default["decoding"] == "low_confidence" and default["accepted_per_forward"] == 0
+    assert default["forwards"] == default["denoise_steps"]
+
+
+def test_bad_decoding_values_are_one_line_usage_errors():
+    r = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--decoding", "bogus"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "error: [cli] Invalid value for '--decoding': 'bogus' is not one of" in r.output
+    assert all(f"'{m}'" in r.output for m in generation.DECODING_MODES)
+    r = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--draft-threshold", "1.5"])
+    assert r.exit_code == 1 and "'draft_threshold' must be a finite number in [0, 1]" in r.output
