@@ -130,7 +130,8 @@ def test_self_spec_equals_ar_on_random_weights_alone_and_mixed(random_gen, draft
     assert mixed[1].decoding == "low_confidence" and mixed[1].forwards == mixed[1].denoise_steps
     spec = [h.request for h in handles] + [reqs[0], reqs[2]]
     drafted, accepted = sum(r.drafted_tokens for r in spec), sum(r.accepted_tokens for r in spec)
-    assert drafted > accepted + 20  # drafts were rejected: the rollback ran
+    if draft_threshold == 0.0:  # every block position drafted: most are rejected and the rollback runs
+        assert drafted > accepted + 20
 
 
 class OracleDrafts:
@@ -156,7 +157,7 @@ class OracleDrafts:
         return blocks, coreset, verdicts
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), length=st.integers(0, 31), corrupt=st.sampled_from([0.0, 0.05, 0.3, 1.0]))
 def test_self_spec_equals_ar_for_any_draft(random_gen, monkeypatch, seed, length, corrupt):
     params = dict(max_new_tokens=40, **CONTROLS)
