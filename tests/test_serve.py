@@ -206,7 +206,8 @@ def test_completions_match_python_api_and_finish_reasons(client, reference):
 
 
 # --- lossless decoding modes (DECODING.md 5) -------------------------------------------------------------------
-LOSSLESS_CASES = [("What is 2 + 3?", 40), ("12*12=", 24)]
+LOSSLESS_CASES = [("12*12=", 40), ("What is 2 + 3?", 40)]
+SPEC_CHAT = ("Please sort the list 3 1 2 4 9", 40)  # thinking on: the embedded model accepts some drafts here
 
 
 def test_ar_and_self_spec_report_their_mode_and_agree_token_for_token(client, reference):
@@ -229,20 +230,30 @@ def test_ar_and_self_spec_report_their_mode_and_agree_token_for_token(client, re
         assert outs["self_spec"].usage.completion_tokens == outs["ar"].usage.completion_tokens
         assert ar["accepted_per_forward"] == 0 and ar["forwards"] >= outs["ar"].usage.completion_tokens - 1
         assert 0 < spec["forwards"] <= ar["forwards"]
-    prompt, kw, max_tokens = CHAT_CASES[1]
-    texts = {}
-    for mode in ("ar", "self_spec"):
-        args = chat_args(prompt, kw, max_tokens)
-        args["extra_body"] = {**args["extra_body"], "decoding": mode, "draft_threshold": 0.3}
+
+
+def test_chat_decoding_and_draft_threshold_reach_the_runtime(client, reference):
+    """Chat, streamed and not: ar, self_spec and self_spec with draft_threshold 1 (no drafts: ar's forwards)
+    give the same reasoning and content; each `clover` object is the Python API's for those parameters."""
+    prompt, max_tokens = SPEC_CHAT
+    answers = []
+    for extra in ({"decoding": "ar"}, {"decoding": "self_spec"}, {"decoding": "self_spec", "draft_threshold": 1}):
+        args = dict(model=MODEL_ID, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                    temperature=0, extra_body=extra)
         out = client.chat.completions.create(**args)
-        res = reference.generate(prompt, max_new_tokens=max_tokens, decoding=mode, draft_threshold=0.3, **kw)
-        assert out.model_extra["clover"]["decoding"] == mode
-        assert out.choices[0].message.content == res.text.strip()
-        chunks, _, _, content = stream_chat(client, **args)  # the usage chunk reports the mode too
-        assert content == out.choices[0].message.content
-        assert chunks[-1].model_extra["clover"]["decoding"] == mode
-        texts[mode] = out.choices[0].message.content
-    assert texts["self_spec"] == texts["ar"]
+        res = reference.generate(prompt, max_new_tokens=max_tokens, **extra)
+        msg = out.choices[0].message
+        head, sep, tail = res.text.partition("</think>")
+        assert (msg.reasoning_content, msg.content) == ((head.strip(), tail.strip()) if sep else (res.text.strip(), ""))
+        assert out.model_extra["clover"] == pytest.approx(clover_of(res))
+        chunks, _, reasoning, content = stream_chat(client, **args)  # the usage chunk reports the mode too
+        assert (reasoning, content) == (msg.reasoning_content, msg.content)
+        assert chunks[-1].model_extra["clover"] == pytest.approx(clover_of(res))
+        answers.append((msg.reasoning_content, msg.content, out.model_extra["clover"]))
+    (ar_text, ar_content, ar), (spec_text, spec_content, spec), (none_text, none_content, none) = answers
+    assert ar_text == spec_text == none_text and ar_content == spec_content == none_content
+    assert none["accepted_per_forward"] == 0 and none["forwards"] == ar["forwards"]
+    assert spec["forwards"] <= ar["forwards"]
 
 
 def stream_chat(client, **kw):
