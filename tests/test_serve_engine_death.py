@@ -158,10 +158,10 @@ def test_a_step_failing_past_the_runtime_isolation_fails_the_rows_of_that_step(s
     sched = eng.gen.loop.scheduler
     real = sched.update
 
-    def update(plan, blocks, coreset):
+    def update(plan, *args, **kwargs):
         if any(r.max_new_tokens == 9 for r in plan.requests):
             raise IndexError("injected update fault")
-        return real(plan, blocks, coreset)
+        return real(plan, *args, **kwargs)
 
     monkeypatch.setattr(sched, "update", update)
     caplog.set_level(logging.INFO)
