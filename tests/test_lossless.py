@@ -180,8 +180,174 @@ def test_self_spec_equals_ar_on_the_trained_default(tiny_dir):
     from clover_export.train import tasks
 
     gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=8)
-    prompts = [ex.prompt for ex in tasks.heldout(8)]
+    prompts = [ex.prompt for ex in tasks.heldout_examples(8)]
     ar = gen.wait([gen.submit(p, decoding="ar", enable_thinking=False, max_new_tokens=64) for p in prompts])
     spec = gen.wait([gen.submit(p, decoding="self_spec", enable_thinking=False, max_new_tokens=64) for p in prompts])
     assert token_ids(spec) == token_ids(ar)
     assert sum(len(r.token_ids) for r in spec) / sum(r.forwards for r in spec) >= 3
+
+
+# --- speculative sampling -------------------------------------------------------------------------
+def _chi2_fits(counts: list[int], probs: list[float]) -> float:
+    """p-value of a chi-square goodness-of-fit test (categories with expected count < 5 merged)."""
+    from scipy.stats import chisquare
+
+    n = sum(counts)
+    obs, exp, o_rest, e_rest = [], [], 0, 0.0
+    for c, p in zip(counts, probs):
+        if n * p >= 5:
+            obs.append(c)
+            exp.append(n * p)
+        else:
+            o_rest, e_rest = o_rest + c, e_rest + n * p
+    if e_rest > 0:
+        obs.append(o_rest)
+        exp.append(e_rest)
+    total = sum(exp)
+    return chisquare(obs, [e * n / total for e in exp]).pvalue  # expected sums exactly to n
+
+
+P = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.1, 0.2, 0.3, 0.3], [0.3, 0.1, 0.1, 0.1, 0.2, 0.2]])
+Q = torch.tensor([[0.05, 0.05, 0.3, 0.3, 0.1, 0.2], [0.4, 0.2, 0.1, 0.1, 0.1, 0.1]])  # far from P
+
+
+def emitted_counts(accept, draws: int = 20000) -> tuple[list[int], list[int]]:
+    """Counts of the first and second emitted token over seeded draws: a 2-token draft drawn from Q, then
+    `accept(P, Q, draft, generator)` -> (accepted, bonus)."""
+    from clover_export.runtime.selector import draw
+
+    first, second = [0] * 6, [0] * 6
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(draws):
+        draft = draw(Q, gen)
+        m, bonus = accept(P, Q, draft, gen)
+        out = draft[:int(m)].tolist() + [int(bonus)]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return first, second
+
+
+def accept_every_draft_token(p, q, draft, generator):
+    """The mutation the sampling test must catch: the draft kept whole, the bonus drawn from p."""
+    from clover_export.runtime.selector import draw
+
+    return torch.tensor(draft.shape[0]), draw(p[draft.shape[0]:], generator)[0]
+
+
+def test_speculative_sampling_rule_gives_the_target_distribution():
+    """Draft tokens drawn from Q and kept with probability min(1, p/q), the residual drawn on rejection: the
+    first two emitted tokens follow P exactly (20,000 seeded draws against the hand-set target; P's second
+    row does not depend on the first token, which a target may do). The fit rejects Q itself, and rejects
+    the mutation that accepts every draft token."""
+    from clover_export.runtime.speculative import accept_sampled
+
+    first, second = emitted_counts(accept_sampled)
+    assert _chi2_fits(first, P[0].tolist()) > 1e-3
+    assert _chi2_fits(second, P[1].tolist()) > 1e-3
+    assert _chi2_fits(first, Q[0].tolist()) < 1e-6
+    mutated, _ = emitted_counts(accept_every_draft_token)
+    assert _chi2_fits(mutated, P[0].tolist()) < 1e-6
+
+
+def sampled_second_tokens(gen, mode: str, runs: int, **params) -> Counter:
+    """The second response token of `runs` seeded sampling runs of a short continuation (the first token
+    that a draft can carry)."""
+    handles = [gen.submit("sort: 7 2 9 4", decoding=mode, do_sample=True, seed=s, max_new_tokens=3,
+                          enable_thinking=False, ignore_eos=True, **params) for s in range(runs)]
+    return Counter(r.token_ids[1] for r in gen.wait(handles))
+
+
+def _same_distribution(a: Counter, b: Counter) -> float:
+    """p-value of a chi-square test that two samples come from one distribution (rare tokens merged)."""
+    from scipy.stats import chi2_contingency
+
+    common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
+    rows = [[a[t] for t in common] + [sum(a.values()) - sum(a[t] for t in common)],
+            [b[t] for t in common] + [sum(b.values()) - sum(b[t] for t in common)]]
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    return chi2_contingency(rows).pvalue
+
+
+@pytest.mark.parametrize("mutated", [False, True], ids=["rule", "accept-every-draft-token"])
+def test_self_spec_sampling_is_distributed_as_ar_sampling(tiny_dir, monkeypatch, mutated):
+    """On the embedded default, 1,500 seeded runs a mode at temperature 1.5 with every block position
+    drafted: the second token's distribution under self_spec equals ar's (chi-square); accepting every
+    draft token instead is detected."""
+    import clover_export.runtime.runner as runner_module
+
+    gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=8)
+    params = dict(temperature=1.5, draft_threshold=0.0)
+    ar = sampled_second_tokens(gen, "ar", 1500, **params)
+    if mutated:
+        monkeypatch.setattr(runner_module, "accept_sampled", accept_every_draft_token)
+    spec = sampled_second_tokens(gen, "self_spec", 1500, **params)
+    p = _same_distribution(ar, spec)
+    assert (p < 1e-4) if mutated else (p > 1e-3), (p, ar.most_common(5), spec.most_common(5))
+
+
+# --- every backend, and the prefix cache ---------------------------------------------------------
+def _modes_case(gen) -> dict:
+    """ar alone, then self_spec (every position drafted: rejections and rollbacks) mixed with the others."""
+    params = dict(max_new_tokens=24, draft_threshold=0.0, enable_thinking=False)
+    prompts = ["Sort: 7 3 9 1 4", "Reverse: 4 5 6 1", "hello there"]
+    ar = gen.wait([gen.submit(p, decoding="ar", **params) for p in prompts])
+    handles = [gen.submit(p, decoding=m, **params) for p, m in zip(prompts, ["self_spec", "low_confidence", "self_spec"])]
+    spec = gen.wait(handles)
+    return {"ar": [r.token_ids for r in ar], "spec": [spec[0].token_ids, spec[2].token_ids],
+            "drafted": sum(h.request.drafted_tokens for h in handles),
+            "accepted": sum(h.request.accepted_tokens for h in handles)}
+
+
+def test_self_spec_equals_ar_on_onnx_runtime():
+    gen = Generator.load(None, backend="ort", max_slots=3)
+    r = _modes_case(gen)
+    assert r["spec"] == [r["ar"][0], r["ar"][2]]
+    assert r["drafted"] > 0
+
+
+TRITON_CHILD = """
+import json
+from clover_export.runtime import Generator
+import tests.test_lossless as t
+gen = Generator.load(None, backend="triton", device="cpu", dtype="fp32", max_slots=3, prefill_chunk=64)
+print("RESULT " + json.dumps(t._modes_case(gen)))
+"""
+
+
+def test_self_spec_equals_ar_on_the_triton_kernels():
+    """The Triton kernels (TRITON_INTERPRET=1 on the CPU, in a child process: the interpreter is global)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", TRITON_CHILD], env=env, capture_output=True, text=True,
+                          timeout=1200, cwd=root)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, proc.stderr[-3000:]
+    r = json.loads(line[len("RESULT "):])
+    assert r["spec"] == [r["ar"][0], r["ar"][2]]
+    assert r["drafted"] > 0
+
+
+def test_self_spec_turns_with_the_prefix_cache_equal_ar_without_it(tiny_dir):
+    """A conversation's turns and a shared system prompt: self_spec with the prefix cache on gives ar's
+    tokens computed with it off (a slot holds (prompt + response)[:past_len] at every step boundary)."""
+    outs = {}
+    for mode, cache in (("ar", False), ("self_spec", True)):
+        gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=2, prefix_cache=cache)
+        messages = [{"role": "system", "content": "You sort and reverse lists."}]
+        got = []
+        for user in ("Sort: 3 1 2", "Reverse: 9 8 7 6", "Sort: 5 5 1 0 2"):
+            messages.append({"role": "user", "content": user})
+            r = gen.generate(messages=messages, decoding=mode, enable_thinking=False, max_new_tokens=32,
+                             draft_threshold=0.2)
+            messages.append({"role": "assistant", "content": r.text})
+            got.append((r.token_ids, r.cached_tokens))
+        outs[mode] = got
+    assert [t for t, _ in outs["self_spec"]] == [t for t, _ in outs["ar"]]
+    assert outs["self_spec"][2][1] > 0  # later turns resumed from the cache
