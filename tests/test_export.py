@@ -80,7 +80,7 @@ def test_onnxruntime_matches_the_reference_over_steps_of_every_kind(fp32_export,
     for step, (plan, f) in enumerate(zip(plans, feeds)):
         got = dict(zip(art.output_names, sess.run(art.output_names, {**f, **ort_pools})))
         with torch.no_grad():
-            ref = tiny_model(*(torch.from_numpy(f[n]) for n in names.STEP_SCALARS), *ref_pools.values())
+            ref = tiny_model(*(torch.from_numpy(f[n]) for n in names.STEP_INPUTS), *ref_pools.values())
         ref = dict(zip(art.output_names, (t.numpy() for t in ref)))
         for name in art.output_names:
             np.testing.assert_allclose(got[name], ref[name], atol=1e-4, rtol=0, err_msg=f"step {step} {name}")
@@ -91,6 +91,44 @@ def test_onnxruntime_matches_the_reference_over_steps_of_every_kind(fp32_export,
         ort_pools = {n: got[names.present_name(n)] for n in ort_pools}
         ref_pools = {n: torch.from_numpy(ref[names.present_name(n)]) for n in ref_pools}
     assert got[names.LOGITS].shape == (2, art.block_size, art.config.vocab_size)
+    assert got[names.CAUSAL_LOGITS].shape == (2, f[names.LOGIT_ROWS].shape[1], art.config.vocab_size)
+
+
+def test_ort_backend_returns_the_reference_causal_logits(fp32_export, tiny_model):
+    """The ort backend on the exported fp32 graph: causal_logits [B, R, V] of the rows `logit_rows` names (last
+    valid causal rows, earlier ones, block rows, indices past the step's rows and below 0, clamped) equal the
+    reference model's; a step without `logit_rows` gets row 0's."""
+    from clover_export.backends.ort_backend import OrtBackend
+
+    out, _ = fp32_export
+    be = OrtBackend.load(out, providers=["CPUExecutionProvider"])
+    N, B, C, V = be.block_size, 2, 6, be.cfg.vocab_size
+    g = torch.Generator().manual_seed(3)
+    i32 = dict(dtype=torch.int32)
+    inputs = {names.INPUT_IDS: torch.randint(6, 500, (B, C + N), generator=g, **i32),
+              names.N_CAUSAL: torch.tensor([6, 3], **i32), names.HAS_BLOCK: torch.tensor([1, 1], **i32),
+              names.SLOT_IDS: torch.tensor([2, 0], **i32), names.PAST_LEN: torch.tensor([5, 0], **i32),
+              names.LOGIT_ROWS: torch.tensor([[5, 0, 3, C + N + 7, C, C + N - 1], [2, 1, -4, 0, C + N - 1, 999]],
+                                             **i32)}
+    pools = be.allocate_pools(3, 64)
+    for p in pools.values():
+        p.normal_(0, 0.3, generator=g)
+    start = {k: v.clone() for k, v in pools.items()}
+    with torch.no_grad():
+        want = tiny_model.step(inputs, {k: v.clone() for k, v in start.items()})
+        want_row0 = tiny_model.step({k: v for k, v in inputs.items() if k != names.LOGIT_ROWS},
+                                    {k: v.clone() for k, v in start.items()})
+    got = be.step(inputs, pools)
+    assert got.causal_logits.shape == (B, 6, V) and got.causal_logits.dtype == torch.float32
+    np.testing.assert_allclose(got.causal_logits.numpy(), want.causal_logits.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), atol=1e-4, rtol=0)
+    # clamped: past the rows is the last (block) row, below 0 is row 0
+    for b, (r, same) in enumerate([(3, 5), (5, 4)]):
+        np.testing.assert_array_equal(got.causal_logits[b, r].numpy(), got.causal_logits[b, same].numpy())
+    np.testing.assert_array_equal(got.causal_logits[1, 2].numpy(), got.causal_logits[1, 3].numpy())
+    got = be.step({k: v for k, v in inputs.items() if k != names.LOGIT_ROWS}, {k: v.clone() for k, v in start.items()})
+    assert got.causal_logits.shape == (B, 1, V)
+    np.testing.assert_allclose(got.causal_logits.numpy(), want_row0.causal_logits.numpy(), atol=1e-4, rtol=0)
 
 
 def test_validate_command_reports_every_output(fp32_export, tmp_path):
@@ -192,17 +230,23 @@ def test_manifest_records_what_the_runtime_needs(fp32_export):
     art = load_artifact(out)
     m = art.manifest
     assert (art.block_size, art.chunk, art.dtype, art.weights_mode) == (32, 16, "fp32", "link")
-    assert art.input_names == list(names.STEP_SCALARS) + names.pool_names(art.config)
-    assert art.output_names[:2] == [names.LOGITS, names.CORESET_SIZE]
+    assert art.input_names == list(names.STEP_INPUTS) + names.pool_names(art.config)
+    assert art.output_names[:2] == [names.LOGITS, names.CORESET_SIZE] and art.output_names[-1] == names.CAUSAL_LOGITS
+    assert art.output_names[2:-1] == [names.present_name(p) for p in names.pool_names(art.config)]
+    rows, causal = art.inputs[len(names.STEP_SCALARS)], art.outputs[-1]
+    assert (rows.shape, rows.dtype) == (("batch", "logit_rows"), "int32")
+    assert (causal.shape, causal.dtype) == (("batch", "logit_rows", art.config.vocab_size), "float32")
     assert m["opset"] == 20 and m["ir_version"] == 9 and m["config_fingerprint"] == art.config.fingerprint()
     assert set(m["ops"]) == {"clover::BlockGDN", "clover::BlockAttention", "clover::CoresetMoE"}
     decode, prefill = m["profiles"]
     assert decode["dims"]["step_len"] == [32, 64, 64] and prefill["dims"]["step_len"] == [32, 48, 48]
+    assert decode["dims"]["logit_rows"] == prefill["dims"]["logit_rows"] == [1, 1, 32]
+    assert decode["shapes"][names.LOGIT_ROWS] == {"min": [1, 1], "opt": [2, 1], "max": [2, 32]}
     assert prefill["shapes"][names.INPUT_IDS] == {"min": [1, 32], "opt": [1, 48], "max": [2, 48]}
     proto = onnx.load(str(art.graph_path), load_external_data=False)
     assert proto.ir_version == 9 and {o.domain: o.version for o in proto.opset_import} == {"": 20, "clover": 1}
     dims = {d.dim_param for vi in proto.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param}
-    assert dims == {"batch", "step_len", "slots", "pool_len"}
+    assert dims == {"batch", "step_len", "slots", "pool_len", "logit_rows"}
     assert "torch" in m["tools"] and m["weights"]["mode"] == "link"
 
 

@@ -56,7 +56,7 @@ def test_torch_runner_is_the_functional_model_and_leaves_pools_alone(steps):
         np.testing.assert_array_equal(pools[k], before[k], err_msg=f"{k} was written")
     model = load_model(Path(art.manifest["model_dir"]), dtype=torch.float32, block_size=art.block_size)
     with torch.no_grad():
-        out = model(*(torch.from_numpy(feeds[0][n]) for n in names.STEP_SCALARS),
+        out = model(*(torch.from_numpy(feeds[0][n]) for n in names.STEP_INPUTS),
                     *(torch.from_numpy(before[p].copy()) for p in names.pool_names(art.config)))
     for name, t in zip(art.output_names, out):
         np.testing.assert_array_equal(got[name], t.numpy(), err_msg=name)

@@ -24,7 +24,7 @@ GRAPH = "model.onnx"
 WEIGHT_MAP = "weights.json"
 WEIGHTS_DIR = "weights"
 FORMAT = "clover-export/step-graph"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the step graph has the logit_rows input and causal_logits output
 BUILD_FILE = "build.json"  # a build folder's record of its stages (`pipeline/build.py`)
 WEIGHT_MODES = ("link", "map", "copy")
 # `--weights link` where no reflink can be made copies checkpoints up to this size instead of hard-linking
@@ -38,7 +38,7 @@ COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 @dataclass(frozen=True)
 class IOSpec:
     name: str
-    shape: tuple  # ints and dynamic-dimension names ("batch", "step_len", "slots", "pool_len")
+    shape: tuple  # ints and dynamic-dimension names ("batch", "step_len", "logit_rows", "slots", "pool_len")
     dtype: str  # numpy spelling: "int32", "float32", "bfloat16"
 
 

@@ -4,6 +4,9 @@ Inputs and outputs are bound to torch tensors with IOBinding (no host
 copies; CPU or CUDA). ONNX Runtime computes `present.*` functionally, so the
 backend keeps two pool sets and alternates: this step's `present.*` are
 written into the set that becomes next step's `past_key_values.*`.
+A step returns `model.model.StepResult`; the graph always takes `logit_rows`
+(the causal rows whose next-token logits come back as `causal_logits`), so
+a step without it asks for row 0.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from clover_export.backends.threads import check_threads, flops_per_row, ort_thr
 from clover_export.core import names
 from clover_export.core.errors import CloverError
 from clover_export.model.loading import DEFAULT_MODEL
-from clover_export.model.model import allocate_pools
+from clover_export.model.model import StepResult, allocate_pools
 
 # torch dtype -> ONNX TensorProto element type
 _ONNX_TYPES = {torch.float32: 1, torch.int32: 6, torch.int64: 7, torch.bool: 9, torch.float16: 10,
@@ -65,6 +68,7 @@ class OrtBackend:
         self.io = session.io_binding()
         self.spare: dict[str, torch.Tensor] | None = None  # the other pool set (present.* go there)
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._causal: torch.Tensor | None = None
         self.threads: int | None = None  # explicit thread count, else the policy of backends/threads.py
 
     @classmethod
@@ -106,13 +110,16 @@ class OrtBackend:
         self.spare = allocate_pools(self.cfg, num_slots, max_len, dtype=self.model_dtype, device=self.device)
         return allocate_pools(self.cfg, num_slots, max_len, dtype=self.model_dtype, device=self.device)
 
-    def _outputs(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output buffers, reused while the batch size stays (fresh pages cost more than the copy-free
+    def _outputs(self, B: int, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Output buffers, reused while the batch size (and R) stays (fresh pages cost more than the copy-free
         reuse; the caller may overwrite the logits until the next step)."""
+        V = self.cfg.vocab_size
         if self._out is None or self._out[0].shape[0] != B:
-            self._out = (torch.empty(B, self.block_size, self.cfg.vocab_size, dtype=torch.float32, device=self.device),
+            self._out = (torch.empty(B, self.block_size, V, dtype=torch.float32, device=self.device),
                          torch.empty(B, self.cfg.num_hidden_layers, dtype=torch.int32, device=self.device))
-        return self._out
+        if self._causal is None or self._causal.shape[:2] != (B, R):
+            self._causal = torch.empty(B, R, V, dtype=torch.float32, device=self.device)
+        return (*self._out, self._causal)
 
     def _bind(self, name: str, t: torch.Tensor, output: bool = False) -> None:
         dev = "cuda" if t.is_cuda else "cpu"
@@ -120,18 +127,22 @@ class OrtBackend:
         args = (name, dev, idx, _ONNX_TYPES[t.dtype], list(t.shape), t.data_ptr())
         (self.io.bind_output if output else self.io.bind_input)(*args)
 
-    def step(self, inputs, pools):
+    def step(self, inputs, pools) -> StepResult:
         spare = self.spare
-        logits, coreset = self.step_into(inputs, pools, spare)
+        logits, coreset, causal = self.step_into(inputs, pools, spare)
         self.spare = pools
-        return logits, coreset, spare
+        return StepResult(logits, coreset, spare, causal)
 
-    def step_into(self, inputs, pools, present: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_into(self, inputs, pools, present: dict[str, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step with its `present.*` written into `present` (a pool set shaped like `pools`); returns
-        the logits and coreset sizes (buffers reused by the next step)."""
+        the logits, coreset sizes and causal logits (buffers reused by the next step)."""
         io = self.io
         io.clear_binding_inputs()
         io.clear_binding_outputs()
+        B = inputs[names.INPUT_IDS].shape[0]
+        if names.LOGIT_ROWS not in inputs:
+            inputs = {**inputs, names.LOGIT_ROWS: torch.zeros(B, 1, dtype=torch.int32, device=self.device)}
         keep = []  # converted inputs must outlive the run
         for name, t in inputs.items():
             want = self.input_dtypes.get(name, t.dtype)
@@ -139,13 +150,14 @@ class OrtBackend:
                 t = t.to(want).contiguous()
                 keep.append(t)
             self._bind(name, t)
-        logits, coreset = self._outputs(inputs[names.INPUT_IDS].shape[0])
+        logits, coreset, causal = self._outputs(B, inputs[names.LOGIT_ROWS].shape[1])
         self._bind(names.LOGITS, logits, output=True)
         self._bind(names.CORESET_SIZE, coreset, output=True)
         for name, t in pools.items():
             self._bind(name, t)
             self._bind(names.present_name(name), present[name], output=True)
+        self._bind(names.CAUSAL_LOGITS, causal, output=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         self.session.run_with_iobinding(io)
-        return logits, coreset
+        return logits, coreset, causal

@@ -28,7 +28,7 @@ from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH, PREFILL_CHUNK
 from clover_export.exporter.check import check_folder
 from clover_export.exporter.onnx_graph import node_reads
-from clover_export.exporter.trace import BATCH, IR_VERSION, OPSET, POOL_LEN, SLOTS, STEP_LEN, trace_step
+from clover_export.exporter.trace import BATCH, IR_VERSION, LOGIT_ROWS, OPSET, POOL_LEN, SLOTS, STEP_LEN, trace_step
 from clover_export.exporter.weights import WeightReport, WeightWriter, shard_bytes
 from clover_export.exporter.writer import ArtifactWriter
 from clover_export.model.loading import parse_dtype, resolve_model_dir
@@ -49,13 +49,14 @@ class ExportResult:
 def profiles(block_size: int, chunk: int, max_batch: int, slots: int, max_len: int) -> list[dict]:
     """The optimisation profiles the graph needs: decode (C in 0..block_size: plain denoise steps and a
     commit folded into the next block) and prefill (C in 0..chunk: prompt chunks, the last one folded
-    with the first block). Pools are allocated once: slots and pool_len are fixed."""
+    with the first block). Pools are allocated once: slots and pool_len are fixed. `logit_rows` R (the causal
+    rows whose next-token logits a step returns) is 1 to block_size in both."""
 
     def profile(name: str, c: int, batch_opt: int) -> dict:
         return {
             "name": name, "causal_rows": c, "block_rows": block_size,
             "dims": {BATCH: [1, batch_opt, max_batch], STEP_LEN: [block_size, c + block_size, c + block_size],
-                     SLOTS: [slots] * 3, POOL_LEN: [max_len] * 3},
+                     SLOTS: [slots] * 3, POOL_LEN: [max_len] * 3, LOGIT_ROWS: [1, 1, block_size]},
         }
 
     return [profile("decode", block_size, max_batch), profile("prefill", chunk, 1)]
@@ -251,6 +252,7 @@ def _manifest(cfg: CloverConfig, model_dir: Path, o: ExportOptions, traced, repo
             STEP_LEN: f"T = C + {N}: C causal rows (C >= 0) then {N} block rows",
             SLOTS: "cache slots in each pool",
             POOL_LEN: "max cached positions per slot (attention pools)",
+            LOGIT_ROWS: f"R: causal rows whose next-token logits the step returns (1 to {N})",
         },
         "profiles": profs,
         "ops": contracts.manifest_entry(),

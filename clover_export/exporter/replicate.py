@@ -204,7 +204,7 @@ def _io(graph, proto_graph, kinds, cfg) -> None:
         c.name = new_name
         return c
 
-    new_in = [ins[n] for n in names.STEP_SCALARS]
+    new_in = [ins[n] for n in names.STEP_INPUTS]
     new_out = [outs[names.LOGITS], outs[names.CORESET_SIZE]]
     for n in names.pool_names(cfg):
         i = int(n.split(".")[1])
@@ -212,6 +212,7 @@ def _io(graph, proto_graph, kinds, cfg) -> None:
         src = f"past_key_values.{j}." + n.split(".", 2)[2]
         new_in.append(renamed(ins[src], n))
         new_out.append(renamed(outs[names.present_name(src)], names.present_name(n)))
+    new_out.append(outs[names.CAUSAL_LOGITS])
     new_out[1].type.tensor_type.shape.dim[1].dim_value = cfg.num_hidden_layers
     del graph.input[:]
     graph.input.extend(new_in)

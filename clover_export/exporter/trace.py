@@ -26,9 +26,10 @@ from clover_export.core.errors import CloverError
 
 OPSET = 20
 IR_VERSION = 9
-# dynamic dimensions of the step graph (STEP_GRAPH.md 1); T = C + block_size
+# dynamic dimensions of the step graph (STEP_GRAPH.md 1); T = C + block_size; R: the rows of `logit_rows`
 BATCH, STEP_LEN, SLOTS, POOL_LEN = "batch", "step_len", "slots", "pool_len"
-_EXAMPLE = {BATCH: 2, SLOTS: 3, POOL_LEN: 64}  # distinct sizes, so no two dims get unified by accident
+LOGIT_ROWS = "logit_rows"
+_EXAMPLE = {BATCH: 2, SLOTS: 3, POOL_LEN: 64, LOGIT_ROWS: 4}  # distinct sizes, so no two dims get unified by accident
 _ONNX_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int32: "int32"}
 
 
@@ -49,10 +50,12 @@ def io_specs(cfg: CloverConfig, block_size: int, dtype: torch.dtype) -> tuple[li
 
     ins = [spec(names.INPUT_IDS, (BATCH, STEP_LEN), torch.int32)]
     ins += [spec(n, (BATCH,), torch.int32) for n in names.STEP_SCALARS[1:]]
+    ins += [spec(names.LOGIT_ROWS, (BATCH, LOGIT_ROWS), torch.int32)]
     pools = [spec(n, pool_shape(cfg, n, SLOTS, POOL_LEN), pool_dtype(n, dtype)) for n in names.pool_names(cfg)]
     outs = [spec(names.LOGITS, (BATCH, block_size, cfg.vocab_size), torch.float32),
             spec(names.CORESET_SIZE, (BATCH, cfg.num_hidden_layers), torch.int32)]
     outs += [dict(p, name=names.present_name(p["name"])) for p in pools]
+    outs += [spec(names.CAUSAL_LOGITS, (BATCH, LOGIT_ROWS, cfg.vocab_size), torch.float32)]
     return ins + pools, outs
 
 
@@ -64,17 +67,18 @@ def _example_inputs(cfg, block_size, dtype):
     with torch.device("meta"):
         ids = torch.zeros(B, T, dtype=torch.int32)
         scalars = tuple(torch.zeros(B, dtype=torch.int32) for _ in names.STEP_SCALARS[1:])
+        rows = torch.zeros(B, _EXAMPLE[LOGIT_ROWS], dtype=torch.int32)
     pools = tuple(allocate_pools(cfg, S, L, dtype=dtype, device="meta").values())
-    return (ids, *scalars, *pools)
+    return (ids, *scalars, rows, *pools)
 
 
 def _dynamic_shapes(cfg, block_size):
     from torch.export import Dim
 
     b, t = Dim(BATCH), Dim(STEP_LEN, min=block_size)
-    s, l_ = Dim(SLOTS), Dim(POOL_LEN)
+    s, l_, r = Dim(SLOTS), Dim(POOL_LEN), Dim(LOGIT_ROWS, min=1)
     pools = tuple({0: s, 2: l_} if n.endswith((".key", ".value")) else {0: s} for n in names.pool_names(cfg))
-    return ({0: b, 1: t}, *({0: b} for _ in names.STEP_SCALARS[1:]), pools)
+    return ({0: b, 1: t}, *({0: b} for _ in names.STEP_SCALARS[1:]), {0: b, 1: r}, pools)
 
 
 _CACHE: dict[tuple, TracedGraph] = {}

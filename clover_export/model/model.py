@@ -262,7 +262,8 @@ class CloverModel(nn.Module):
         """
         h, coreset_size, new_pools = self.trunk(input_ids, n_causal, has_block, slot_ids, past_len, *pools)
         N = self.block_size
-        rows = logit_rows.long().clamp(0, h.shape[1] - 1)
+        rows, last = logit_rows.long(), h.shape[1] - 1  # clamped by Where (TensorRT's Clip takes no integers)
+        rows = torch.where(rows < 0, 0, torch.where(rows > last, last, rows))
         causal = torch.gather(h, 1, rows.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
         both = self.logits(torch.cat([self.predicting_rows(h, n_causal), causal], 1))
         return (both[:, :N], coreset_size, *new_pools, both[:, N:])

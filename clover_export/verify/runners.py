@@ -80,9 +80,10 @@ class TorchRunner:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         be = self.backend
         inputs, pools = _split(feeds, names.pool_names(be.cfg), be.device)
-        logits, coreset, present = be.step(inputs, pools)
+        res = be.step(inputs, pools)
+        logits, coreset, present = res
         out = {names.LOGITS: logits, names.CORESET_SIZE: coreset,
-               **{names.present_name(p): t for p, t in present.items()}}
+               **{names.present_name(p): t for p, t in present.items()}, names.CAUSAL_LOGITS: res.causal_logits}
         return {n: to_numpy(out[n].cpu()) for n in self.outputs}
 
 
@@ -130,9 +131,10 @@ class OrtRunner:
         be = self.backend
         inputs, pools = _split(feeds, be.art.pool_names, be.device)
         present = {n: torch.empty_like(t) for n, t in pools.items()}  # fresh: earlier results stay as they were
-        logits, coreset = be.step_into(inputs, pools, present)
+        logits, coreset, causal = be.step_into(inputs, pools, present)
         out = {names.LOGITS: logits.cpu().clone(), names.CORESET_SIZE: coreset.cpu().clone(),
-               **{names.present_name(p): t.cpu() for p, t in present.items()}}
+               **{names.present_name(p): t.cpu() for p, t in present.items()},
+               names.CAUSAL_LOGITS: causal.cpu().clone()}
         return {n: to_numpy(out[n]) for n in self.outputs}
 
 

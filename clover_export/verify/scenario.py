@@ -9,7 +9,10 @@ profiles allow (slots in descending order, one slot owned by no row), a full
 prefill chunk (the manifest's `chunk` causal rows; odd rows fold a shorter
 last chunk with a block), a prefill chunk + block next to a block-only row,
 commits folded with the next block, a step with no causal rows at all
-(T = block_size), and rows in different phases.
+(T = block_size), and rows in different phases. Every step asks for the
+next-token logits of a few rows (`logit_rows`, `logit_rows_for`): each
+row's last valid causal row and others before it, block rows, and one past
+the step's rows (clamped by the graph).
 """
 
 from __future__ import annotations
@@ -60,6 +63,23 @@ def profile_batch(art: Artifact) -> int:
     return max(int(p["dims"][BATCH][2]) for p in art.manifest["profiles"])
 
 
+LOGIT_ROWS = 4  # R of the scenario's steps
+
+
+def logit_rows_for(n_causal: list[int], causal_rows: int, block_size: int, rng) -> np.ndarray:
+    """[B, LOGIT_ROWS] int32 naming rows the step computes (valid causal rows, else block rows; padding causal
+    rows are no backend's contract): per batch row its last valid causal row, a random earlier one, row 0,
+    and one past the step's rows (the graph clamps it to the last block row) or a random block row. A row
+    without valid causal rows names block rows instead."""
+    C, N = causal_rows, block_size
+    out = np.zeros((len(n_causal), LOGIT_ROWS), np.int32)
+    for b, n in enumerate(n_causal):
+        some = int(rng.integers(0, n)) if n else C + int(rng.integers(0, N))
+        extra = C + N + 3 if b % 2 == 0 else C + int(rng.integers(0, N))
+        out[b] = [n - 1 if n else C, some, 0 if n else C, extra]
+    return out
+
+
 def make_feeds(plans: list[StepPlan], cfg, block_size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """Step inputs (int32) for the plans; past_len follows each row's committed rows."""
     rng = np.random.default_rng(seed)
@@ -76,6 +96,7 @@ def make_feeds(plans: list[StepPlan], cfg, block_size: int, seed: int = 0) -> li
             names.HAS_BLOCK: np.array([r[1] for r in p.rows], np.int32),
             names.SLOT_IDS: np.array(slots_for(B), np.int32),
             names.PAST_LEN: np.array(past, np.int32),
+            names.LOGIT_ROWS: logit_rows_for([r[0] for r in p.rows], p.causal_rows, block_size, rng),
         })
         past = [a + r[0] for a, r in zip(past, p.rows)]
     return feeds
