@@ -209,7 +209,8 @@ def check_model_step(dtype):
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEV)  # noqa: E731
     B, C, N = 3, 32, cfg.block_size
     inputs = dict(input_ids=torch.randint(0, cfg.vocab_size, (B, C + N), generator=g, device=DEV, dtype=torch.int32),
-                  n_causal=i32(32, 4, 0), has_block=i32(1, 1, 1), slot_ids=i32(2, 0, 3), past_len=i32(0, 100, 37))
+                  n_causal=i32(32, 4, 0), has_block=i32(1, 1, 1), slot_ids=i32(2, 0, 3), past_len=i32(0, 100, 37),
+                  logit_rows=i32([31, 0, 7], [3, 1, 0], [C, C + 5, C + N + 9]))  # causal rows; block rows, clamped
     pools = allocate_pools(cfg, 4, 256, dtype=dtype, device=DEV)
     for p in pools.values():
         p.copy_(torch.randn(p.shape, generator=g, device=DEV) * 0.5)
@@ -233,14 +234,18 @@ def check_model_step(dtype):
         graph.replay()
         torch.cuda.synchronize()
     info = {"logits_rel": rel(got[0], want[0]), "coreset_equal": bool(torch.equal(got[1], want[1])),
+            "causal_logits_rel": rel(got.causal_logits, want.causal_logits),
+            "graph_causal_logits_equal_eager": bool(torch.equal(g_out.causal_logits, got.causal_logits)),
             "pools_rel_max": max(rel(mine[n], want[2][n]) for n in pools),
             "graph_logits_equal_eager": bool(torch.equal(g_out[0], got[0])),
             "graph_pools_equal_eager": all(torch.equal(static[n], mine[n]) for n in pools)}
-    graph_ok = info["graph_logits_equal_eager"] and info["graph_pools_equal_eager"]
+    graph_ok = (info["graph_logits_equal_eager"] and info["graph_pools_equal_eager"]
+                and info["graph_causal_logits_equal_eager"])
     if dtype == torch.float32:
-        info["_ok"] = graph_ok and info["logits_rel"] < 2e-3 and info["pools_rel_max"] < 2e-3 and info["coreset_equal"]
+        info["_ok"] = (graph_ok and info["logits_rel"] < 2e-3 and info["causal_logits_rel"] < 2e-3
+                       and info["pools_rel_max"] < 2e-3 and info["coreset_equal"])
     else:  # bf16 rounding upstream of the router may flip near-tied experts: report, do not require equality
-        info["_ok"] = graph_ok and info["logits_rel"] < 1e-1
+        info["_ok"] = graph_ok and info["logits_rel"] < 1e-1 and info["causal_logits_rel"] < 1e-1
     return info
 
 

@@ -382,7 +382,8 @@ def model_case():
     g = torch.Generator().manual_seed(5)
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     inputs = dict(input_ids=torch.randint(0, cfg.vocab_size, (2, 7), generator=g, dtype=torch.int32),
-                  n_causal=i32(3, 1), has_block=i32(1, 1), slot_ids=i32(1, 0), past_len=i32(0, 5))
+                  n_causal=i32(3, 1), has_block=i32(1, 1), slot_ids=i32(1, 0), past_len=i32(0, 5),
+                  logit_rows=i32([2, 0, 9], [0, 3, 5]))  # valid causal rows, block rows; 9 is clamped to 6
     pools = allocate_pools(cfg, 2, 16)
     for p in pools.values():
         p.copy_(torch.randn(p.shape, generator=g))
@@ -399,6 +400,9 @@ def model_case():
         kept = {n: p.clone() for n, p in pools.items()}
         fun = model.step(inputs, kept)
     _close(got[0], want[0], "logits")
+    assert got.causal_logits.shape == (2, 3, cfg.vocab_size)
+    for res, what in ((got, "in-place"), (glue, "fused glue"), (fun, "functional")):
+        _close(res.causal_logits, want.causal_logits, f"{what} causal_logits")
     assert torch.equal(got[1], want[1]), "coreset_size"
     for n in pools:
         _close(mine[n], want[2][n], f"in-place {n}")

@@ -97,7 +97,59 @@ def padding_case():
             "valid_idx_some": bool((idx[valid] < E).all()), "distinct_equal": bool(torch.equal(d_full, d_masked))}
 
 
-CASES = {"tokens": tokens_case, "fp8": fp8_case, "padding": padding_case}
+def causal_logits_case():
+    """One step's causal_logits (valid causal rows, block rows, an index past the step's rows): the triton
+    backend eager and through a CUDA-graph bucket (a stand-in graph replaying `_run` on the bucket's static
+    buffers: no CUDA here) against the torch backend."""
+    import torch
+
+    from clover_export.backends.cuda_graphs import Bucket, StepGraphs
+    from clover_export.backends.torch_backend import TorchBackend
+    from clover_export.backends.triton_backend import TritonBackend
+    from clover_export.core import names
+
+    tri = TritonBackend.load(None, device="cpu")
+    ref = TorchBackend.load(None, device="cpu", dtype="fp32")
+    N, slots = tri.block_size, 3
+    B, C = 2, 3
+    g = torch.Generator().manual_seed(0)
+    i32 = dict(dtype=torch.int32)
+    inputs = {names.INPUT_IDS: torch.randint(6, 500, (B, C + N), generator=g, **i32),
+              names.N_CAUSAL: torch.tensor([3, 2], **i32), names.HAS_BLOCK: torch.tensor([1, 0], **i32),
+              names.SLOT_IDS: torch.tensor([2, 0], **i32), names.PAST_LEN: torch.tensor([4, 0], **i32),
+              names.LOGIT_ROWS: torch.tensor([[2, 0, C + 5, 500], [1, 0, C, C + N - 1]], **i32)}
+    pools = tri.allocate_pools(slots, 64)  # + the scratch slot (no graphs on the CPU)
+    for p in pools.values():
+        p.normal_(0, 0.3, generator=g)
+    start = {k: v.clone() for k, v in pools.items()}
+    want = ref.step(inputs, {k: v.clone() for k, v in start.items()})
+    eager = tri.step(inputs, pools)
+
+    graph_pools = {k: v.clone() for k, v in start.items()}
+    fn = lambda inp: tri._run(inp, graph_pools)  # noqa: E731
+
+    class EagerGraph:  # replay = the step on the static buffers, results into the static outputs
+        def __init__(self, static, out):
+            self.static, self.out = static, out
+
+        def replay(self):
+            for dst, src in zip(self.out, fn(self.static)):
+                dst.copy_(src)
+
+    b = Bucket(4, N + 1)
+    graphs = StepGraphs(fn, [b], N, slots, torch.device("cpu"))
+    static = graphs._static_inputs(b)
+    out = tuple(t.clone() for t in fn(static))
+    graphs.graphs[b] = (EagerGraph(static, out), static, out)
+    bucket = graphs.replay(b, inputs)
+    err = lambda a, w: float((a - w).abs().max())  # noqa: E731
+    return {"shape": list(eager.causal_logits.shape), "bucket_shape": list(bucket[2].shape),
+            "eager": err(eager.causal_logits, want.causal_logits), "bucket": err(bucket[2], want.causal_logits),
+            "bucket_logits": err(bucket[0], want[0]), "scale": float(want.causal_logits.abs().max()),
+            "V": ref.cfg.vocab_size}
+
+
+CASES = {"tokens": tokens_case, "fp8": fp8_case, "padding": padding_case, "causal_logits": causal_logits_case}
 
 
 def _child(names: list[str]) -> None:
@@ -128,6 +180,16 @@ def run_child(*names: str) -> dict:
 def test_padding_causal_rows_select_no_expert():
     r = run_child("padding")["padding"]
     assert r == {k: True for k in r}, r
+
+
+@pytest.mark.slow
+def test_causal_logits_equal_the_torch_backend_eager_and_in_a_bucket():
+    """The triton backend's causal_logits [B, R, V] are the torch backend's, eager and through a CUDA-graph
+    bucket (logit_rows padded to block_size columns, block-row indices moved with the bucket's block)."""
+    r = run_child("causal_logits")["causal_logits"]
+    assert r["shape"] == r["bucket_shape"] == [2, 4, r["V"]]
+    tol = 1e-4 * max(1.0, r["scale"])
+    assert r["eager"] <= tol and r["bucket"] <= tol and r["bucket_logits"] <= tol, r
 
 
 @pytest.mark.slow
@@ -239,11 +301,11 @@ def test_a_step_past_the_buckets_is_refused_when_graphs_only(monkeypatch):
 def test_bucket_choice_and_bad_buckets():
     from clover_export.backends.cuda_graphs import Bucket, default_buckets, pick
 
-    bs = default_buckets(6, 32)
-    assert sorted({b.batch for b in bs}) == [1, 2, 4, 6] and sorted({b.causal for b in bs}) == [0, 32]
+    bs = default_buckets(6, 32)  # causal rows: denoise steps; commit + denoise and verifying steps (33 rows)
+    assert sorted({b.batch for b in bs}) == [1, 2, 4, 6] and sorted({b.causal for b in bs}) == [0, 33]
     assert pick(bs, 3, 0, 32) == Bucket(4, 0)
-    assert pick(bs, 3, 5, 32) == Bucket(4, 32)
-    assert pick(bs, 1, 33, 32) is None and pick(bs, 7, 0, 32) is None
+    assert pick(bs, 3, 5, 32) == Bucket(4, 33) and pick(bs, 1, 33, 32) == Bucket(1, 33)
+    assert pick(bs, 1, 34, 32) is None and pick(bs, 7, 0, 32) is None
     assert sorted({b.batch for b in default_buckets(64, 32, batch_sizes=(1, 8, 64, 128))}) == [1, 8, 64]
     with pytest.raises(CloverError, match="batch sizes >= 1"):
         default_buckets(8, 32, batch_sizes=(0, 4))
@@ -291,9 +353,10 @@ def test_fp8_artifact_without_scales_is_refused(tmp_path, monkeypatch):
 
 def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
     """The bucket padding of `StepGraphs.replay` (extra batch rows on the scratch slot, extra causal rows
-    past n_causal) leaves the valid rows' logits, coreset sizes and pools as the unpadded step computes
-    them. A stand-in graph replays the step eagerly on the static buffers (no CUDA here); the step is
-    the torch backend's (plain-torch cores), so this checks the padding, not the kernels."""
+    past n_causal, logit_rows padded to block_size columns) leaves the valid rows' logits, causal logits,
+    coreset sizes and pools as the unpadded step computes them. A stand-in graph replays the step eagerly on
+    the static buffers (no CUDA here); the step is the torch backend's (plain-torch cores), so this checks the
+    padding, not the kernels."""
     import torch
 
     from clover_export.backends.cuda_graphs import Bucket, StepGraphs
@@ -307,7 +370,9 @@ def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
     for p in pools.values():
         p.normal_(0, 0.3, generator=g)
     ref_pools = {k: v.clone() for k, v in pools.items()}
-    fn = lambda inp: be.step(inp, pools)[:2]  # noqa: E731
+    def fn(inp):
+        res = be.step(inp, pools)
+        return res[0], res[1], res.causal_logits
 
     class EagerGraph:  # replay = the step on the static buffers, results into the static outputs
         def __init__(self, static, out):
@@ -329,12 +394,17 @@ def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
     i32 = dict(dtype=torch.int32)
     inputs = {names.INPUT_IDS: torch.randint(6, 500, (B, C + N), generator=g, **i32),
               names.N_CAUSAL: torch.tensor([5, 0, 2], **i32), names.HAS_BLOCK: torch.tensor([1, 1, 0], **i32),
-              names.SLOT_IDS: torch.tensor([3, 0, 4], **i32), names.PAST_LEN: torch.tensor([10, 40, 0], **i32)}
-    assert graphs.bucket_for(B, C) == b
-    logits, coreset = graphs.replay(b, inputs)
-    want_logits, want_coreset, _ = be.step(inputs, ref_pools)
+              names.SLOT_IDS: torch.tensor([3, 0, 4], **i32), names.PAST_LEN: torch.tensor([10, 40, 0], **i32),
+              # causal rows, block rows (moved with the bucket's block), one past the rows (clamped)
+              names.LOGIT_ROWS: torch.tensor([[4, 0, C + 1], [C, C + N - 1, 99], [1, C + 2, C]], **i32)}
+    assert graphs.bucket_for(B, C, 3) == b and graphs.bucket_for(B, C, N + 1) is None
+    logits, coreset, causal = graphs.replay(b, inputs)
+    want = be.step(inputs, ref_pools)
+    want_logits, want_coreset, _ = want
     assert logits.shape == want_logits.shape and coreset.shape == want_coreset.shape
+    assert causal.shape == want.causal_logits.shape == (B, 3, be.cfg.vocab_size)
     torch.testing.assert_close(logits, want_logits, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(causal, want.causal_logits, atol=2e-5, rtol=1e-5)
     assert torch.equal(coreset, want_coreset)
     for k in pools:
         torch.testing.assert_close(pools[k][:slots], ref_pools[k][:slots], atol=2e-5, rtol=1e-5, msg=k)

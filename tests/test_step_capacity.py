@@ -40,7 +40,8 @@ def step_inputs(cfg, block: int, slot_ids, past_len, n_causal, C: int, seed: int
     ids = torch.randint(0, cfg.vocab_size, (B, C + block), generator=gen, dtype=torch.int32)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     return {names.INPUT_IDS: ids, names.N_CAUSAL: i32(n_causal), names.HAS_BLOCK: i32([1] * B),
-            names.SLOT_IDS: i32(slot_ids), names.PAST_LEN: i32(past_len)}
+            names.SLOT_IDS: i32(slot_ids), names.PAST_LEN: i32(past_len),
+            names.LOGIT_ROWS: i32([[max(n - 1, 0), 0] for n in n_causal])}  # the last valid causal row, row 0
 
 
 def sentinel_pools(cfg, capacity: int, slot_ids, past_len, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -74,9 +75,10 @@ def test_same_step_at_two_capacities(tiny_model, case):
         before = sentinel_pools(cfg, capacity, slot_ids, past_len)
         pools = {k: v.clone() for k, v in before.items()}
         with ShapeLog() as log:
-            logits, coreset, after = backend.step(inputs, pools)
+            res = backend.step(inputs, pools)
+        logits, coreset, after = res
         assert all(after[k] is pools[k] for k in pools)  # updated in place
-        assert torch.isfinite(logits).all()
+        assert torch.isfinite(logits).all() and torch.isfinite(res.causal_logits).all()
         for name, pool in after.items():
             expect = before[name].clone()
             for b, s in enumerate(slot_ids):
@@ -88,9 +90,9 @@ def test_same_step_at_two_capacities(tiny_model, case):
                     assert torch.isfinite(pool[s]).all()
                     expect[s] = pool[s]
             torch.testing.assert_close(pool, expect, rtol=0, atol=0, equal_nan=True)
-        results[capacity] = logits.clone(), coreset.clone(), log.ops
-    (l1, c1, ops1), (l2, c2, ops2) = results.values()
-    assert torch.equal(l1, l2) and torch.equal(c1, c2)
+        results[capacity] = logits.clone(), coreset.clone(), log.ops, res.causal_logits.clone()
+    (l1, c1, ops1, r1), (l2, c2, ops2, r2) = results.values()
+    assert torch.equal(l1, l2) and torch.equal(c1, c2) and torch.equal(r1, r2)
     assert ops1 == ops2  # the same work, whatever the capacity
 
 
@@ -101,9 +103,12 @@ def test_in_place_step_equals_the_functional_contract(tiny_model):
     inputs = step_inputs(backend.cfg, backend.block_size, slot_ids, past_len, n_causal, C, seed=3)
     pools = {k: torch.nan_to_num(v, nan=0.25) for k, v in sentinel_pools(backend.cfg, 32, slot_ids, past_len).items()}
     with torch.inference_mode():
-        ref_logits, ref_coreset, ref_pools = tiny_model.step(inputs, {k: v.clone() for k, v in pools.items()})
-    logits, coreset, new_pools = backend.step(inputs, pools)
+        ref = tiny_model.step(inputs, {k: v.clone() for k, v in pools.items()})
+    ref_logits, ref_coreset, ref_pools = ref
+    res = backend.step(inputs, pools)
+    logits, coreset, new_pools = res
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(res.causal_logits, ref.causal_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(coreset, ref_coreset)
     for k in ref_pools:
         torch.testing.assert_close(new_pools[k], ref_pools[k], rtol=1e-6, atol=1e-6)

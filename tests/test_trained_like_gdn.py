@@ -63,7 +63,9 @@ def test_ort_greedy_tokens_equal_the_torch_backend(checkpoint, artifact, prompt_
 
 
 def prefill_block_logits(backend, prompt_ids, chunk=256):
-    """The first block's logits after the prompt: a full chunk, then the rest folded with a masked block."""
+    """The first block's logits after the prompt (a full chunk, then the rest folded with a masked block), then
+    the causal logits of each chunk's last row."""
+    import numpy as np
     import torch
 
     from clover_export.core import names
@@ -71,16 +73,18 @@ def prefill_block_logits(backend, prompt_ids, chunk=256):
     N, mask = backend.block_size, backend.cfg.mask_token_id
     pools = backend.allocate_pools(1, 1024)
     i32 = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
-    past = 0
+    past, causal = 0, []
     for start in range(0, len(prompt_ids), chunk):
         part = list(prompt_ids[start:start + chunk])
         last = start + chunk >= len(prompt_ids)
         ids = torch.tensor([part + [mask] * N], dtype=torch.int32)
         inputs = {names.INPUT_IDS: ids, names.N_CAUSAL: i32(len(part)), names.HAS_BLOCK: i32(int(last)),
-                  names.SLOT_IDS: i32(0), names.PAST_LEN: i32(past)}
-        logits, _, pools = backend.step(inputs, pools)
+                  names.SLOT_IDS: i32(0), names.PAST_LEN: i32(past), names.LOGIT_ROWS: i32([len(part) - 1])}
+        res = backend.step(inputs, pools)
+        logits, _, pools = res
+        causal.append(res.causal_logits[0, 0].clone().numpy())
         past += len(part)
-    return logits[0].clone().numpy()
+    return np.concatenate([logits[0].clone().numpy(), np.stack(causal)])
 
 
 @pytest.mark.slow

@@ -7,8 +7,12 @@ holding it: its inputs are copied into the bucket's static buffers, the
 extra batch rows point at a scratch slot with no causal rows (they read and
 write only that slot), the extra causal rows are padding (at or past
 `n_causal`, never read; they select no expert), and the first B rows of the
-static outputs are the step's. Steps outside every bucket are the caller's
-to run eagerly.
+static outputs are the step's. `logit_rows` is captured with block_size
+columns (R = 1..block_size): the step's R columns, the rest 0, and the
+first R rows of the static `causal_logits` are the step's; its indices are
+clamped to the step's rows and its block rows moved to where the bucket
+puts them, so a replay returns what the eager step does. Steps outside every
+bucket (or R > block_size) are the caller's to run eagerly.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from clover_export.core.errors import CloverError
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # captured up to the slot count (vLLM's sizes, in short)
 
-# fn(inputs) -> (logits [B, N, V], coreset_size [B, layers]); the pools are bound inside fn
-StepFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+# fn(inputs) -> (logits [B, N, V], coreset_size [B, layers], causal_logits [B, R, V]); the pools are bound inside fn
+StepFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True, order=True)
@@ -38,9 +42,10 @@ class Bucket:
 
 def default_buckets(max_batch: int, block_size: int, batch_sizes=None, causal_rows=None) -> list[Bucket]:
     """Batch sizes up to `max_batch` (by default 1, 2, 4, ... and max_batch itself; else the given ones that fit)
-    x causal rows (by default 0 for denoise steps and block_size for commit + denoise steps)."""
+    x causal rows (by default 0 for denoise steps and block_size + 1 for commit + denoise steps and the
+    self-speculative verifying steps: the last committed row and up to block_size drafts)."""
     given = list(batch_sizes or ())
-    causal = sorted(set(causal_rows if causal_rows is not None else (0, block_size)))
+    causal = sorted(set(causal_rows if causal_rows is not None else (0, block_size + 1)))
     bad = [v for v in given if not isinstance(v, int) or v < 1] + [v for v in causal if not isinstance(v, int) or v < 0]
     if bad or not causal:
         raise CloverError("runtime", f"CUDA-graph buckets need batch sizes >= 1 and causal rows >= 0, got "
@@ -74,6 +79,7 @@ class StepGraphs:
             names.HAS_BLOCK: torch.zeros(b.batch, **i32),
             names.SLOT_IDS: torch.full((b.batch,), self.scratch, **i32),
             names.PAST_LEN: torch.zeros(b.batch, **i32),
+            names.LOGIT_ROWS: torch.zeros(b.batch, self.block_size, **i32),
         }
 
     def capture(self, progress: bool = True, warmup: int = 2) -> None:
@@ -95,12 +101,16 @@ class StepGraphs:
             self.graphs[b] = (graph, static, out)
         torch.cuda.synchronize(self.device)
 
-    def bucket_for(self, batch: int, causal: int) -> Bucket | None:
+    def bucket_for(self, batch: int, causal: int, logit_rows: int = 1) -> Bucket | None:
+        """The bucket of a step of `batch` rows x `causal` causal rows asking for `logit_rows` rows' logits."""
+        if logit_rows > self.block_size:
+            return None
         return pick(list(self.graphs), batch, causal, self.block_size)
 
-    def replay(self, b: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the step into bucket b's buffers, replay, return the first B rows of its outputs (views)."""
-        graph, static, (logits, coreset) = self.graphs[b]
+    def replay(self, b: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copy the step into bucket b's buffers, replay, return the first B rows of its outputs (views; of
+        `causal_logits` the first R, R the step's `logit_rows` columns, 1 when it has none)."""
+        graph, static, (logits, coreset, causal) = self.graphs[b]
         ids = inputs[names.INPUT_IDS]
         B, T = ids.shape
         C = T - self.block_size
@@ -116,5 +126,17 @@ class StepGraphs:
         ):
             static[name][B:].fill_(fill)
             static[name][:B].copy_(inputs[name])
+        R = self._logit_rows(static[names.LOGIT_ROWS], inputs.get(names.LOGIT_ROWS), B, C, b.causal)
         graph.replay()
-        return logits[:B], coreset[:B]
+        return logits[:B], coreset[:B], causal[:B, :R]
+
+    def _logit_rows(self, dst: torch.Tensor, rows: torch.Tensor | None, B: int, C: int, bucket_c: int) -> int:
+        """Fill the static `logit_rows` [batch, block_size] from the step's [B, R] (None: row 0); returns R.
+        Indices are clamped to the step's C + block_size rows, as the eager step clamps them, and those
+        naming block rows (>= C) moved to where the bucket's block starts (bucket_c)."""
+        dst.zero_()
+        if rows is None:
+            return 1
+        r = rows.to(torch.int32).clamp(0, C + self.block_size - 1)
+        dst[:B, :r.shape[1]].copy_(torch.where(r >= C, r + (bucket_c - C), r))
+        return r.shape[1]

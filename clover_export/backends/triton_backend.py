@@ -27,7 +27,7 @@ from clover_export.backends.torch_backend import check_device
 from clover_export.core import names
 from clover_export.core.errors import CloverError
 from clover_export.model.loading import load_model, resolve_model_dir
-from clover_export.model.model import CloverModel, Cores, allocate_pools
+from clover_export.model.model import CloverModel, Cores, StepResult, allocate_pools
 
 
 def check_target(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -179,24 +179,26 @@ class TritonBackend:
     def _run(self, inputs, pools):
         self.moe.n_causal = inputs[names.N_CAUSAL]
         try:
-            logits, coreset, _ = self.model.step(inputs, pools)
+            res = self.model.step(inputs, pools)
         finally:
             self.moe.n_causal = None
-        return logits, coreset
+        return res[0], res[1], res.causal_logits
 
     @torch.inference_mode()
-    def step(self, inputs, pools):
+    def step(self, inputs, pools) -> StepResult:
         B, T = inputs[names.INPUT_IDS].shape
         C = T - self.block_size
+        rows = inputs.get(names.LOGIT_ROWS)
         if self.graphs is not None and pools is self.pools:
-            bucket = self.graphs.bucket_for(B, C)
+            bucket = self.graphs.bucket_for(B, C, 1 if rows is None else rows.shape[1])
             if bucket is not None:
-                logits, coreset = self.graphs.replay(bucket, inputs)
-                return logits, coreset, pools
+                logits, coreset, causal = self.graphs.replay(bucket, inputs)
+                return StepResult(logits, coreset, pools, causal)
         if not self.eager_fallback:
             held = sorted(self.graphs.graphs) if self.graphs else []
-            raise CloverError("runtime", f"step of {B} rows x {C} causal rows is past the CUDA-graph buckets "
+            wide = f" (logits of {rows.shape[1]} rows)" if rows is not None and rows.shape[1] > self.block_size else ""
+            raise CloverError("runtime", f"step of {B} rows x {C} causal rows{wide} is past the CUDA-graph buckets "
                               f"(largest: {max(held) if held else 'none captured'})",
                               "load with eager_fallback=True, or larger graph_batch_sizes / graph_causal_rows")
-        logits, coreset = self._run(inputs, pools)
-        return logits, coreset, pools
+        logits, coreset, causal = self._run(inputs, pools)
+        return StepResult(logits, coreset, pools, causal)

@@ -4,7 +4,9 @@ Deserialize the engine, then per step: `set_input_shape` for every input,
 `set_tensor_address` bound to the torch tensors' `data_ptr()` (step inputs,
 pools, and the `present.*` outputs bound to the same memory as their
 `past_key_values.*` inputs, which the plugins declare as aliases), and
-`execute_async_v3` on the current CUDA stream. No host copies.
+`execute_async_v3` on the current CUDA stream. No host copies. A step
+returns `model.model.StepResult`, `causal_logits` [B, R, V] bound like the
+logits (R: the rows of `logit_rows`, row 0 when the step gives none).
 
 Engine location: a `.engine`/`.plan` file, or a folder with `manifest.json`
 naming it (`"engine"`) or holding exactly one such file; the model config
@@ -24,7 +26,7 @@ from clover_export.backends.base import StepShape
 from clover_export.core import names
 from clover_export.core.config import config_from_dict, load_config
 from clover_export.core.errors import CloverError
-from clover_export.model.model import allocate_pools
+from clover_export.model.model import StepResult, allocate_pools
 from clover_export.tensorrt.builder import import_tensorrt
 
 RUNTIME_NOTE = "install TensorRT 10+ (pip install tensorrt) on a CUDA machine, or use --backend ort/torch"
@@ -128,9 +130,12 @@ class TrtBackend:
                 return
         raise CloverError("runtime", f"no optimisation profile of the engine takes batch {B} x {T} rows")
 
-    def step(self, inputs, pools):
+    def step(self, inputs, pools) -> StepResult:
         ctx, keep = self.context, []
         stream = torch.cuda.current_stream().cuda_stream
+        B = inputs[names.INPUT_IDS].shape[0]
+        if names.LOGIT_ROWS not in inputs:
+            inputs = {**inputs, names.LOGIT_ROWS: torch.zeros(B, 1, dtype=torch.int32, device=self.device)}
         self._select_profile(*inputs[names.INPUT_IDS].shape, stream)
         for name, t in list(inputs.items()) + list(pools.items()):
             want = self.input_dtypes[name]
@@ -141,11 +146,13 @@ class TrtBackend:
             ctx.set_tensor_address(name, t.data_ptr())
         for name, t in pools.items():  # outputs alias the pools: updated in place
             ctx.set_tensor_address(names.present_name(name), t.data_ptr())
-        B = inputs[names.INPUT_IDS].shape[0]
-        logits = torch.empty(B, self.block_size, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        V, R = self.cfg.vocab_size, inputs[names.LOGIT_ROWS].shape[1]
+        logits = torch.empty(B, self.block_size, V, dtype=torch.float32, device=self.device)
         coreset = torch.empty(B, self.cfg.num_hidden_layers, dtype=torch.int32, device=self.device)
+        causal = torch.empty(B, R, V, dtype=torch.float32, device=self.device)
         ctx.set_tensor_address(names.LOGITS, logits.data_ptr())
         ctx.set_tensor_address(names.CORESET_SIZE, coreset.data_ptr())
+        ctx.set_tensor_address(names.CAUSAL_LOGITS, causal.data_ptr())
         if not ctx.execute_async_v3(stream):
             raise CloverError("runtime", "TensorRT execution failed (see the TensorRT log above)")
-        return logits, coreset, pools
+        return StepResult(logits, coreset, pools, causal)
