@@ -87,6 +87,9 @@ def test_onnxruntime_runs_the_fp8_graph(random_fp8):
                                                                                      {**feeds, **pools})))
     logits, sizes = res[names.LOGITS], res[names.CORESET_SIZE]
     assert logits.shape == (2, art.block_size, art.config.vocab_size) and np.isfinite(logits).all()
+    causal = res[names.CAUSAL_LOGITS]  # the FP8 rewrite keeps the step's I/O: the prompts' last rows' logits
+    assert causal.shape == (2, 1, art.config.vocab_size) and np.isfinite(causal).all()
+    assert art.input_names == list(names.STEP_INPUTS) + art.pool_names and art.output_names[-1] == names.CAUSAL_LOGITS
     assert sizes.shape == (2, art.config.num_hidden_layers) and (sizes >= 1).all()
     assert (sizes <= art.config.num_experts).all()
 

@@ -26,12 +26,24 @@ def test_full_size_cache_arithmetic_by_hand():
 def test_activations_hold_the_split_attention_partials():
     """TensorRT's BlockAttentionSplit partials: fp32 acc + (m, l) per query row and head at
     launch.attention_partial_rows (2 x 192 SMs x BLOCK_M 64 / 16 heads = 1536 rows at least), by hand."""
-    from clover_export.tensorrt.memory_plan import activation_bytes, attention_partial_bytes
+    from clover_export.tensorrt.memory_plan import activation_bytes, attention_partial_bytes, logits_bytes
 
     assert attention_partial_bytes(FULL, 8, 544) == 8 * 1536 * 16 * (256 + 2) * 4  # 544 rows < the floor
     assert attention_partial_bytes(FULL, 8, 4096) == 8 * 4096 * 16 * (256 + 2) * 4
-    base = 8 * 32 * FULL.vocab_size * 4 + 6 * 8 * 544 * (8192 + 4096) * 2  # logits; GDN conv + value channels
-    assert activation_bytes(FULL, 8, 544, 32) - attention_partial_bytes(FULL, 8, 544) == base
+    base = 6 * 8 * 544 * (8192 + 4096) * 2  # GDN conv + value channels
+    rest = activation_bytes(FULL, 8, 544, 32) - attention_partial_bytes(FULL, 8, 544) - logits_bytes(FULL, 8, 32)
+    assert rest == base
+
+
+def test_activations_hold_the_logits_and_causal_logits_at_the_profile_max():
+    """fp32 logits [B, block, V], causal_logits [B, R, V] at R = block (the logit_rows dim's max) and the
+    logit_rows input [B, R] int32, by hand; the plan's activations count them."""
+    from clover_export.tensorrt.memory_plan import activation_bytes, logits_bytes
+
+    V = FULL.vocab_size
+    assert logits_bytes(FULL, 8, 32) == 8 * 32 * V * 4 + 8 * 32 * V * 4 + 8 * 32 * 4
+    plan = plan_memory(FULL, "bf16", max_batch=8, max_context=4096, chunk=512)
+    assert plan.activations == activation_bytes(FULL, 8, 512 + 32, 32) >= logits_bytes(FULL, 8, 32)
 
 
 def test_bf16_fits_h200_at_small_batch_not_at_large():

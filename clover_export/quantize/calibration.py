@@ -59,7 +59,8 @@ class PromptBatch:
             ids[b, :len(row)] = row
         return {names.INPUT_IDS: ids, names.N_CAUSAL: np.array([len(r) for r in self.ids], np.int32),
                 names.HAS_BLOCK: np.ones(B, np.int32), names.SLOT_IDS: np.arange(B, dtype=np.int32),
-                names.PAST_LEN: np.zeros(B, np.int32)}
+                names.PAST_LEN: np.zeros(B, np.int32),
+                names.LOGIT_ROWS: np.array([[len(r) - 1] for r in self.ids], np.int32)}  # the prompt's last row
 
     def pool_len(self) -> int:
         """Cache rows the two steps need: the prefill's chunk and block, then the block again after the prompt."""
@@ -79,7 +80,8 @@ class PromptBatch:
             block[b, keep] = tok[keep]
         return {names.INPUT_IDS: block, names.N_CAUSAL: np.zeros(B, np.int32), names.HAS_BLOCK: np.ones(B, np.int32),
                 names.SLOT_IDS: np.arange(B, dtype=np.int32),
-                names.PAST_LEN: np.array([len(r) for r in self.ids], np.int32)}
+                names.PAST_LEN: np.array([len(r) for r in self.ids], np.int32),
+                names.LOGIT_ROWS: np.zeros((B, 1), np.int32)}  # no causal rows: clamped to block row 0
 
 
 def prompt_batch(model_dir: Path, prompts: list[str], block_size: int) -> PromptBatch:

@@ -268,6 +268,7 @@ def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.
 
     from clover_export.core.config import load_config
     from clover_export.model.loading import build_model
+    from clover_export.model.model import StepResult
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -308,8 +309,10 @@ def streamed_model(model_dir: Path, block_size: int | None = None, dtype: torch.
         progress.new_step()
         inputs = {k: v.to(device) for k, v in inputs.items()}
         pools = {k: v.to(device) for k, v in pools.items()}
-        logits, coreset, new_pools = inner_step(inputs, pools)
-        return logits.cpu(), coreset.cpu(), {k: v.cpu() for k, v in new_pools.items()}
+        res = inner_step(inputs, pools)
+        logits, coreset, new_pools = res
+        return StepResult(logits.cpu(), coreset.cpu(), {k: v.cpu() for k, v in new_pools.items()},
+                          res.causal_logits.cpu())
 
     model.step = step
     return model

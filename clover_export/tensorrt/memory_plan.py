@@ -75,12 +75,19 @@ PLAN_MAX_SMS = 192  # at least any GPU's SM count (H200 132, B200 148, RTX PRO 6
 
 
 def activation_bytes(cfg: CloverConfig, batch: int, rows: int, block: int) -> int:
-    """Peak step activations, estimated: fp32 logits of the block rows plus a few live
-    [rows, width] bf16 buffers at the widest layer (conv channels, q+gate, expert gate/up), plus the
-    split-KV attention partials on TensorRT (`attention_partial_bytes`)."""
+    """Peak step activations, estimated: the logits (`logits_bytes`) plus a few live [rows, width] bf16
+    buffers at the widest layer (conv channels, q+gate, expert gate/up), plus the split-KV attention
+    partials on TensorRT (`attention_partial_bytes`)."""
     width = max(cfg.conv_dim + cfg.value_dim, 2 * cfg.num_attention_heads * cfg.head_dim,
                 2 * cfg.moe_intermediate_size * cfg.num_experts_per_tok, 4 * cfg.hidden_size)
-    return batch * block * cfg.vocab_size * 4 + 6 * batch * rows * width * 2 + attention_partial_bytes(cfg, batch, rows)
+    return logits_bytes(cfg, batch, block) + 6 * batch * rows * width * 2 + attention_partial_bytes(cfg, batch, rows)
+
+
+def logits_bytes(cfg: CloverConfig, batch: int, block: int) -> int:
+    """The step's logits at the profiles' max: fp32 `logits` of the block rows [batch, block, V], fp32
+    `causal_logits` [batch, R, V] at R = block (the `logit_rows` dim's max) and the `logit_rows` input
+    [batch, R] int32."""
+    return 2 * batch * block * cfg.vocab_size * 4 + batch * block * 4
 
 
 def attention_partial_bytes(cfg: CloverConfig, batch: int, rows: int) -> int:
