@@ -293,7 +293,8 @@ def _modes_case(gen) -> dict:
     params = dict(max_new_tokens=24, draft_threshold=0.0, enable_thinking=False)
     prompts = ["Sort: 7 3 9 1 4", "Reverse: 4 5 6 1", "hello there"]
     ar = gen.wait([gen.submit(p, decoding="ar", **params) for p in prompts])
-    handles = [gen.submit(p, decoding=m, **params) for p, m in zip(prompts, ["self_spec", "low_confidence", "self_spec"])]
+    modes = ["self_spec", "low_confidence", "self_spec"]
+    handles = [gen.submit(p, decoding=m, **params) for p, m in zip(prompts, modes)]
     spec = gen.wait(handles)
     return {"ar": [r.token_ids for r in ar], "spec": [spec[0].token_ids, spec[2].token_ids],
             "drafted": sum(h.request.drafted_tokens for h in handles),
