@@ -301,11 +301,11 @@ def test_a_step_past_the_buckets_is_refused_when_graphs_only(monkeypatch):
 def test_bucket_choice_and_bad_buckets():
     from clover_export.backends.cuda_graphs import Bucket, default_buckets, pick
 
-    bs = default_buckets(6, 32)  # causal rows: denoise steps; commit + denoise and verifying steps (33 rows)
-    assert sorted({b.batch for b in bs}) == [1, 2, 4, 6] and sorted({b.causal for b in bs}) == [0, 33]
+    bs = default_buckets(6, 32)  # causal rows: denoise steps; commit + denoise and self_spec steps (<= 32 rows)
+    assert sorted({b.batch for b in bs}) == [1, 2, 4, 6] and sorted({b.causal for b in bs}) == [0, 32]
     assert pick(bs, 3, 0, 32) == Bucket(4, 0)
-    assert pick(bs, 3, 5, 32) == Bucket(4, 33) and pick(bs, 1, 33, 32) == Bucket(1, 33)
-    assert pick(bs, 1, 34, 32) is None and pick(bs, 7, 0, 32) is None
+    assert pick(bs, 3, 5, 32) == Bucket(4, 32) and pick(bs, 1, 32, 32) == Bucket(1, 32)
+    assert pick(bs, 1, 33, 32) is None and pick(bs, 7, 0, 32) is None
     assert sorted({b.batch for b in default_buckets(64, 32, batch_sizes=(1, 8, 64, 128))}) == [1, 8, 64]
     with pytest.raises(CloverError, match="batch sizes >= 1"):
         default_buckets(8, 32, batch_sizes=(0, 4))

@@ -42,10 +42,10 @@ class Bucket:
 
 def default_buckets(max_batch: int, block_size: int, batch_sizes=None, causal_rows=None) -> list[Bucket]:
     """Batch sizes up to `max_batch` (by default 1, 2, 4, ... and max_batch itself; else the given ones that fit)
-    x causal rows (by default 0 for denoise steps and block_size + 1 for commit + denoise steps and the
-    self-speculative verifying steps: the last committed row and up to block_size drafts)."""
+    x causal rows (by default 0 for denoise steps and block_size for commit + denoise steps and the
+    self-speculative steps: their pending tokens plus draft are at most block_size rows, docs/decoding.md)."""
     given = list(batch_sizes or ())
-    causal = sorted(set(causal_rows if causal_rows is not None else (0, block_size + 1)))
+    causal = sorted(set(causal_rows if causal_rows is not None else (0, block_size)))
     bad = [v for v in given if not isinstance(v, int) or v < 1] + [v for v in causal if not isinstance(v, int) or v < 0]
     if bad or not causal:
         raise CloverError("runtime", f"CUDA-graph buckets need batch sizes >= 1 and causal rows >= 0, got "

@@ -16,7 +16,6 @@ from typing import Any
 from clover_export.core.config import read_json
 from clover_export.core.errors import CloverError
 
-
 DECODING_MODES = ("low_confidence", "ar", "self_spec")
 DRAFT_THRESHOLD = 0.5  # self_spec's default draft confidence (bench/self_spec.py measures the choice)
 
