@@ -143,6 +143,11 @@ class OracleDrafts:
         self.real_run = Runner.run
 
     def __call__(self, runner, plan):
+        from clover_export.runtime.request import Phase
+
+        # a lossless step's causal rows (pending tokens + draft) never exceed block_size (docs/decoding.md)
+        for req, n in zip(plan.requests, plan.n_causal):
+            assert req.phase is Phase.PREFILL or n <= plan.block_size, (req.pending, req.draft)
         blocks, coreset, verdicts = self.real_run(runner, plan)
         for req, v in zip(plan.requests, verdicts):
             if v is None or req.decoding != "self_spec":
@@ -288,13 +293,13 @@ def test_self_spec_sampling_is_distributed_as_ar_sampling(tiny_dir, monkeypatch,
 
 
 # --- every backend, and the prefix cache ---------------------------------------------------------
-def _modes_case(gen) -> dict:
-    """ar alone, then self_spec (every position drafted: rejections and rollbacks) mixed with the others."""
-    params = dict(max_new_tokens=24, draft_threshold=0.0, enable_thinking=False)
-    prompts = ["Sort: 7 3 9 1 4", "Reverse: 4 5 6 1", "hello there"]
+def _modes_case(gen, max_new_tokens: int = 24) -> dict:
+    """ar alone, then self_spec (every position drafted: rejections and rollbacks) beside low_confidence."""
+    params = dict(max_new_tokens=max_new_tokens, draft_threshold=0.0, enable_thinking=False)
+    prompts = ["Sort: 7 3 9 1 4", "Reverse: 4 5 6 1"]
     ar = gen.wait([gen.submit(p, decoding="ar", **params) for p in prompts])
-    modes = ["self_spec", "low_confidence", "self_spec"]
-    handles = [gen.submit(p, decoding=m, **params) for p, m in zip(prompts, modes)]
+    handles = [gen.submit(p, decoding=m, **params) for p, m in zip(prompts, ["self_spec", "low_confidence"])]
+    handles.append(gen.submit(prompts[1], decoding="self_spec", **params))
     spec = gen.wait(handles)
     return {"ar": [r.token_ids for r in ar], "spec": [spec[0].token_ids, spec[2].token_ids],
             "drafted": sum(h.request.drafted_tokens for h in handles),
@@ -304,8 +309,8 @@ def _modes_case(gen) -> dict:
 def test_self_spec_equals_ar_on_onnx_runtime():
     gen = Generator.load(None, backend="ort", max_slots=3)
     r = _modes_case(gen)
-    assert r["spec"] == [r["ar"][0], r["ar"][2]]
-    assert r["drafted"] > 0
+    assert r["spec"] == r["ar"]
+    assert r["drafted"] > r["accepted"] > 0
 
 
 TRITON_CHILD = """
@@ -313,10 +318,11 @@ import json
 from clover_export.runtime import Generator
 import tests.test_lossless as t
 gen = Generator.load(None, backend="triton", device="cpu", dtype="fp32", max_slots=3, prefill_chunk=64)
-print("RESULT " + json.dumps(t._modes_case(gen)))
+print("RESULT " + json.dumps(t._modes_case(gen, max_new_tokens=10)))
 """
 
 
+@pytest.mark.slow
 def test_self_spec_equals_ar_on_the_triton_kernels():
     """The Triton kernels (TRITON_INTERPRET=1 on the CPU, in a child process: the interpreter is global)."""
     import os
@@ -331,7 +337,7 @@ def test_self_spec_equals_ar_on_the_triton_kernels():
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, proc.stderr[-3000:]
     r = json.loads(line[len("RESULT "):])
-    assert r["spec"] == [r["ar"][0], r["ar"][2]]
+    assert r["spec"] == r["ar"]
     assert r["drafted"] > 0
 
 
