@@ -5,6 +5,13 @@ prompt as causal rows (left-aligned, `n_causal` per row, padded) and one
 block of `block_size` block rows holding the response, its `<|im_end|>` and
 `<|endoftext|>` padding, of which a random subset is replaced by the mask
 token. The loss is taken on the masked block positions only.
+
+The next-token (causal) mode sees the same example as one causal sequence,
+prompt + response + `<|im_end|>`, teacher-forced: causal row t predicts token
+t + 1, with the loss on the rows that predict the response and its end token.
+Its block rows are all mask tokens and the step has no block (`has_block` 0),
+so it is a separate forward from the example's masked block, whose clean
+positions would otherwise show the causal rows their answers.
 """
 
 from __future__ import annotations
@@ -56,11 +63,37 @@ class ChatCodec:
 
 
 @dataclass
+class CausalBatch:
+    input_ids: torch.Tensor  # [B, C + N]: prompt + response + <|im_end|> as causal rows (padded), then N masks
+    n_causal: torch.Tensor  # [B] int32
+    targets: torch.Tensor  # [B, C]: the token after each causal row (pad where there is none)
+    scored: torch.Tensor  # [B, C] bool: the rows predicting a response token or the end token (the loss rows)
+
+
+@dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, C + N]: causal rows (left-aligned, padded) then block rows
     n_causal: torch.Tensor  # [B] int32
     targets: torch.Tensor  # [B, N] clean block tokens
     masked: torch.Tensor  # [B, N] bool: positions replaced by the mask token (the loss positions)
+    causal: CausalBatch | None = None  # the same examples in the next-token mode (a forward of its own)
+
+
+def make_causal_batch(prompts: list[list[int]], responses: list[list[int]], end_id: int, mask_id: int,
+                      pad_id: int, block_size: int) -> CausalBatch:
+    """Teacher-forced next-token batch: row t of prompt + response + [end_id] predicts token t + 1."""
+    seqs = [p + r + [end_id] for p, r in zip(prompts, responses)]
+    B, C = len(seqs), max(len(s) for s in seqs)
+    causal = torch.full((B, C), pad_id, dtype=torch.long)
+    targets = torch.full((B, C), pad_id, dtype=torch.long)
+    scored = torch.zeros(B, C, dtype=torch.bool)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        causal[i, :len(s)] = torch.tensor(s)
+        targets[i, :len(s) - 1] = torch.tensor(s[1:])
+        scored[i, len(p) - 1:len(s) - 1] = True
+    block = torch.full((B, block_size), mask_id, dtype=torch.long)
+    return CausalBatch(torch.cat([causal, block], dim=1), torch.tensor([len(s) for s in seqs], dtype=torch.int32),
+                       targets, scored)
 
 
 def encode(codec: ChatCodec, examples: list[Example], thinking: list[bool], block_size: int):

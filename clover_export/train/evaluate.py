@@ -7,6 +7,14 @@ prompt is one prefill chunk folded into the first denoise step of block 0,
 the commit of block b is folded into the first denoise step of block b + 1,
 and a block stops once an end token is filled with every position before it
 filled. Needs no model folder, so training can score itself.
+
+`score_ar` scores the next-token (autoregressive) mode without the runtime:
+`generate_ar` is a plain greedy loop over the reference model that feeds the
+prompt + the tokens so far as causal rows (no block, empty caches each
+forward) and appends the argmax of the last causal row's logits, the mask
+token excluded, until an end token or max_new_tokens. It applies no
+generation control (DECODING.md 3): the trained model's generation config
+has them neutral, and nothing here reads it.
 """
 
 from __future__ import annotations
@@ -68,6 +76,64 @@ def generate(model: CloverModel, prompts: list[list[int]], threshold: float, end
             if event.error is not None:
                 raise event.error
     return [Decoded(r.response, r.denoise_steps, r.blocks, r.coreset_sum) for r in reqs]
+
+
+@torch.no_grad()
+def generate_ar(model: CloverModel, prompts: list[list[int]], end_ids: list[int], max_new_tokens: int = 32,
+                pad_id: int = 0) -> list[list[int]]:
+    """Greedy next-token decoding: per forward one token per unfinished prompt from its last causal row.
+
+    Each forward recomputes prompt + response from empty caches (`model.trunk`, has_block 0, block rows
+    all mask tokens); a response is cut after its first end token (kept) or at max_new_tokens."""
+    from clover_export.model.model import allocate_pools
+
+    N, mask_id = model.block_size, model.cfg.require_mask_token()
+    seqs = [list(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    for _ in range(max_new_tokens):
+        if not live:
+            break
+        B, C = len(live), max(len(seqs[i]) for i in live)
+        ids = torch.full((B, C + N), pad_id, dtype=torch.long)
+        ids[:, C:] = mask_id
+        for r, i in enumerate(live):
+            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
+        n_causal = torch.tensor([len(seqs[i]) for i in live], dtype=torch.int32)
+        zeros = torch.zeros(B, dtype=torch.int32)
+        pools = allocate_pools(model.cfg, B, C, dtype=model.dtype)
+        h, _coreset, _pools = model.trunk(ids, n_causal, zeros, torch.arange(B, dtype=torch.int32), zeros,
+                                          *pools.values())
+        last = h[torch.arange(B), n_causal.long() - 1]
+        logits = model.logits(last)
+        logits[:, mask_id] = float("-inf")
+        nxt = logits.argmax(-1).tolist()
+        for i, t in zip(live, nxt):
+            seqs[i].append(t)
+            out[i].append(t)
+        live = [i for i in live if out[i][-1] not in end_ids and len(out[i]) < max_new_tokens]
+    return out
+
+
+@dataclass
+class ArScore:
+    accuracy: float  # percent
+    results: list[tuple[Example, str, bool]]
+
+
+def score_ar(model: CloverModel, codec: ChatCodec, examples: list[Example], enable_thinking: bool = False,
+             batch_size: int = 64, max_new_tokens: int = 32) -> ArScore:
+    """`generate_ar` on every example and check its answer (exact match), one token per forward."""
+    end_ids = [codec.im_end, codec.eot]
+    results = []
+    for s in range(0, len(examples), batch_size):
+        chunk = examples[s:s + batch_size]
+        outs = generate_ar(model, [codec.prompt_ids(ex.prompt, enable_thinking) for ex in chunk], end_ids,
+                           max_new_tokens, pad_id=codec.eot)
+        for ex, ids in zip(chunk, outs):
+            text = codec.tokenizer.decode([t for t in ids if t not in end_ids])
+            results.append((ex, text, is_correct(ex, text)))
+    return ArScore(100.0 * sum(r[2] for r in results) / len(results), results)
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The block-diffusion training loop through the reference model (MODEL.md 5.1-5.3).
+"""The training loop through the reference model: block diffusion (MODEL.md 5.1-5.3) + next-token.
 
-Objective: per example, the prompt as causal rows and one block of the
+Objective: `block_loss + ar_weight * ar_loss` per step, on the same examples.
+Block diffusion: per example, the prompt as causal rows and one block of the
 response (+ `<|im_end|>`, `<|endoftext|>` padding) with k ~ U{1..N} of its N
 positions masked; cross-entropy on the masked positions, averaged over all
 masked positions of the batch. We use the plain mean rather than LLaDA's
@@ -8,7 +9,15 @@ masked positions of the batch. We use the plain mean rather than LLaDA's
 predictions at every mask ratio rather than a likelihood bound, and the 1/ratio
 weight mostly adds variance by up-weighting examples with one or two masks.
 Block rows route through the expert coreset exactly as at inference
-(config `moe_block_coreset_top_p`). Deterministic for a seed and thread count.
+(config `moe_block_coreset_top_p`).
+Next-token (`ar_loss`): the example as causal rows, prompt + response +
+`<|im_end|>`, in a forward of its own with no block (data.py); cross-entropy
+of each response row's next token, averaged over those rows of the batch. It
+teaches the causal rows' logits (the step's `causal_logits`) to continue the
+response, which the autoregressive and self-speculative decoding modes read.
+`ar_weight` 0 skips that forward: the block-diffusion objective alone, as
+the embedded default's first stage was trained.
+Deterministic for a seed and thread count.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from clover_export.core.config import config_from_dict
 from clover_export.model.loading import build_model
 from clover_export.model.model import CloverModel, allocate_pools, init_random_
 from clover_export.train import tasks
-from clover_export.train.data import Batch, ChatCodec, encode, make_batch
+from clover_export.train.data import Batch, CausalBatch, ChatCodec, encode, make_batch, make_causal_batch
 
 
 @dataclass
@@ -42,7 +51,8 @@ class TrainSettings:
     seed: int = 0
     thinking_fraction: float = 0.5  # share of examples rendered with enable_thinking=True
     eval_every: int = 500
-    eval_count: int = 48  # held-out prompts scored at each eval (threshold 0.95)
+    eval_count: int = 48  # held-out prompts scored at each eval (threshold 0.95, and next-token greedy)
+    ar_weight: float = 1.0  # weight of the next-token loss (0: block diffusion alone, no causal forward)
 
 
 def lr_at(s: TrainSettings, step: int) -> float:
@@ -64,6 +74,17 @@ def block_loss(model: CloverModel, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(logits[batch.masked], batch.targets[batch.masked])
 
 
+def ar_loss(model: CloverModel, batch: CausalBatch) -> torch.Tensor:
+    """Mean next-token cross-entropy over the scored causal rows of one causal-only step from empty caches."""
+    B = batch.input_ids.shape[0]
+    C = batch.input_ids.shape[1] - model.block_size
+    pools = allocate_pools(model.cfg, B, C, dtype=model.dtype)
+    zeros = torch.zeros(B, dtype=torch.int32)
+    h, _coreset, _pools = model.trunk(batch.input_ids, batch.n_causal, zeros, torch.arange(B, dtype=torch.int32),
+                                      zeros, *pools.values())
+    return F.cross_entropy(model.logits(h[:, :C][batch.scored]), batch.targets[batch.scored])
+
+
 class Batches:
     """Deterministic batch stream for a seed: examples, thinking flags and masks."""
 
@@ -77,7 +98,12 @@ class Batches:
         exs = [next(self.examples) for _ in range(self.s.batch_size)]
         thinking = [self.rng.random() < self.s.thinking_fraction for _ in exs]
         prompts, targets = encode(self.codec, exs, thinking, self.N)
-        return make_batch(prompts, targets, self.codec.mask, self.codec.eot, self.gen)
+        batch = make_batch(prompts, targets, self.codec.mask, self.codec.eot, self.gen)
+        if self.s.ar_weight:  # no random draws: the block batches are the same whatever the weight
+            responses = [self.codec.response_ids(ex.answer, t) for ex, t in zip(exs, thinking)]
+            batch.causal = make_causal_batch(prompts, responses, self.codec.im_end, self.codec.mask,
+                                             self.codec.eot, self.N)
+        return batch
 
 
 def new_model(cfg_dict: dict, seed: int) -> CloverModel:
@@ -97,33 +123,43 @@ def train(model: CloverModel, codec: ChatCodec, settings: TrainSettings, log=pri
                              {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.98))
     history, evals = [], []
     start = time.time()
-    running = None
+    running = {"block": None, "ar": None}  # exponential moving averages (0.95) of the two losses
     model.train()
     for step in range(settings.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(settings, step)
-        loss = block_loss(model, batches.next())
+        batch = batches.next()
+        parts = {"block": block_loss(model, batch)}
+        if batch.causal is not None:
+            parts["ar"] = ar_loss(model, batch.causal)
+        loss = parts["block"] + settings.ar_weight * parts["ar"] if "ar" in parts else parts["block"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         opt.step()
-        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        for k, v in parts.items():
+            running[k] = v.item() if running[k] is None else 0.95 * running[k] + 0.05 * v.item()
         done = step + 1
         if done % 25 == 0 or done == settings.steps:
-            history.append([done, round(running, 4)])
-            log(f"step {done}/{settings.steps} loss {loss.item():.4f} avg {running:.4f} "
+            history.append([done, *(None if v is None else round(v, 4) for v in running.values())])
+            shown = " ".join(f"{k} {v:.4f}" for k, v in running.items() if v is not None)
+            log(f"step {done}/{settings.steps} loss {loss.item():.4f} avg {shown} "
                 f"lr {lr_at(settings, step):.2e} {time.time() - start:.0f}s")
         if settings.eval_every and (done % settings.eval_every == 0 or done == settings.steps):
-            from clover_export.train.evaluate import score
+            from clover_export.train.evaluate import score, score_ar
 
             model.eval()
             sc = score(model, codec, heldout[: settings.eval_count], threshold=0.95)
+            ar = score_ar(model, codec, heldout[: settings.eval_count])
             model.train()
-            evals.append({"step": done, "accuracy": sc.accuracy, "tokens_per_forward": sc.tokens_per_forward})
-            log(f"eval step {done}: {sc.line()}")
+            evals.append({"step": done, "accuracy": sc.accuracy, "tokens_per_forward": sc.tokens_per_forward,
+                          "ar_accuracy": ar.accuracy})
+            log(f"eval step {done}: {sc.line()} | next-token greedy acc={ar.accuracy:.1f}%")
     model.eval()
     return {"settings": asdict(settings), "wall_seconds": round(time.time() - start, 1),
-            "final_loss_avg": round(running, 5), "loss_avg_every_25_steps": history, "evals": evals}
+            "final_block_loss_avg": round(running["block"], 5),
+            "final_ar_loss_avg": None if running["ar"] is None else round(running["ar"], 5),
+            "loss_avg_every_25_steps": {"columns": ["step", "block", "ar"], "rows": history}, "evals": evals}
 
 
 def save_trained(model: CloverModel, cfg_dict: dict, out_dir: Path, facts: dict,
