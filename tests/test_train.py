@@ -13,7 +13,7 @@ from clover_export.tiny import TRAINED_DIR, tiny_config_dict
 from clover_export.tiny import tokenizer_assets as tok
 from clover_export.train import tasks
 from clover_export.train.data import ChatCodec, encode, make_batch, make_causal_batch
-from clover_export.train.evaluate import NO_CONTROLS, generate, generate_ar, load_for_eval, score
+from clover_export.train.evaluate import NO_CONTROLS, generate, generate_ar, load_for_eval, score, score_ar
 from clover_export.train.trainer import Batches, TrainSettings, ar_loss, block_loss, new_model, train
 
 SMALL = dict(hidden_size=64, num_hidden_layers=4,
@@ -293,6 +293,21 @@ def test_shipped_default_answers_heldout_prompts(tiny_dir):
         assert sc.tokens_per_forward >= 3.0
     facts = json.loads((tiny_dir / "training.json").read_text())
     assert facts["heldout_at_0.95"]["thinking=False"]["accuracy"] >= 95
+
+
+def test_shipped_default_answers_heldout_prompts_next_token(tiny_dir):
+    """The embedded default also decodes autoregressively: greedy next-token decoding from the last causal
+    row (generate_ar, no runtime) solves held-out prompts it never saw, in both chat modes."""
+    model, codec = load_for_eval(tiny_dir), ChatCodec(tiny_dir)
+    exs = tasks.heldout_examples()[-16:]
+    for thinking in (False, True):
+        sc = score_ar(model, codec, exs, enable_thinking=thinking)
+        wrong = [(ex.prompt, text) for ex, text, ok in sc.results if not ok]
+        assert not wrong, wrong
+    facts = json.loads((tiny_dir / "training.json").read_text())
+    assert facts["settings"]["ar_weight"] > 0
+    for mode in ("thinking=False", "thinking=True"):
+        assert facts["heldout_ar"][mode]["accuracy"] >= 95, mode
 
 
 def test_init_from_takes_a_trained_folder_of_the_shipped_architecture(tmp_path):
