@@ -9,9 +9,15 @@ held-out task prompts (clover_export.train.tasks, never trained on), prints
 accuracy (exact answer), tokens per forward (response tokens incl. the end
 token / denoise forwards), forwards per block and distinct experts per block
 (mean |kept set| over layers and steps), for each backend. Decoding is greedy
-with the shipped generation_config (penalties neutral). The last line reads
-`tpf@0.95=X acc@0.95=Y acc@1.0=Z` for the first backend at the model's own
-coreset top_p.
+with the shipped generation_config (penalties neutral). Then the
+autoregressive mode: greedy next-token decoding from the last causal row,
+one token per forward, by the plain loop of `clover_export.train.evaluate`
+(`score_ar`: the fp32 reference model, no runtime, no generation controls),
+and, when the runtime is installed, its decoding="ar" and "self_spec" modes
+(torch backend: accuracy, tokens per forward, draft tokens accepted per
+verifying forward).
+The last line reads `tpf@0.95=X acc@0.95=Y acc@1.0=Z acc_ar=W` for the first
+backend at the model's own coreset top_p.
 
 Backends run through `clover_export.runtime.Generator` when the runtime is
 installed; `--evaluator` (or a runtime without the backend) uses the training
@@ -124,6 +130,34 @@ def measure(runner, examples, threshold, thinking) -> dict:
             "experts": sum(r[4] for r in rows) / len(rows), "seconds": time.perf_counter() - start}
 
 
+def measure_ar(model_dir: Path, examples, thinking: bool, slots: int) -> float:
+    """Accuracy of greedy next-token decoding (train.evaluate.score_ar, the plain loop); prints its row."""
+    from clover_export.train.evaluate import load_for_eval, score_ar
+
+    start = time.perf_counter()
+    sc = score_ar(load_for_eval(model_dir), ChatCodec(model_dir), examples, enable_thinking=thinking,
+                  batch_size=slots)
+    print(f"{'ar (plain loop)':<22} {'-':>5} {'-':>5} {sc.accuracy:>6.1f} {1.0:>8.2f} {'-':>9} {'-':>13} "
+          f"{time.perf_counter() - start:>6.1f}", flush=True)
+    return sc.accuracy
+
+
+def measure_lossless(model_dir: Path, examples, thinking: bool, slots: int) -> None:
+    """The runtime's lossless modes (torch backend, fp32): decoding="ar" and "self_spec"; prints their rows."""
+    from clover_export.runtime.generator import Generator
+
+    gen = Generator.load(model_dir, "torch", dtype="fp32", max_slots=slots)
+    for mode in ("ar", "self_spec"):
+        start = time.perf_counter()
+        res = gen.wait([gen.submit(ex.prompt, decoding=mode, enable_thinking=thinking, max_new_tokens=32)
+                        for ex in examples])
+        acc = 100.0 * sum(tasks.is_correct(ex, r.text) for ex, r in zip(examples, res)) / len(res)
+        tpf = sum(len(r.token_ids) for r in res) / sum(r.forwards for r in res)
+        accepted = sum(r.accepted_per_forward for r in res) / len(res)
+        print(f"{'runtime ' + mode:<22} {'-':>5} {'-':>5} {acc:>6.1f} {tpf:>8.2f} {'-':>9} {'-':>13} "
+              f"{time.perf_counter() - start:>6.1f}  accepted/verifying forward {accepted:.2f}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -134,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=50, help="requests stepping together")
     ap.add_argument("--evaluator", action="store_true", help="use clover_export.train.evaluate, not the runtime")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--no-ar", action="store_true", help="skip the autoregressive (next-token) modes")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -175,12 +210,15 @@ def main(argv=None) -> int:
                     print(f"{name:<22} {top_p:>5} {thr:>5} {m['acc']:>6.1f} {m['tpf']:>8.2f} {m['fpb']:>9.2f} "
                           f"{m['experts']:>13.2f} {m['seconds']:>6.1f}", flush=True)
                     results[(backend, top_p, thr)] = m
+    ar = "" if args.no_ar else f" acc_ar={measure_ar(model_dir, examples, args.thinking, args.slots):.1f}"
+    if not args.no_ar and runtime_available("torch") is None:
+        measure_lossless(model_dir, examples, args.thinking, args.slots)
     ran = [b for b in args.backends.split(",") if (b, own_top_p, 0.95) in results]
     if not ran:
         print(f"no backend ran at the model's coreset top_p {own_top_p}", file=sys.stderr)
         return 1
     at95, at100 = results[(ran[0], own_top_p, 0.95)], results[(ran[0], own_top_p, 1.0)]
-    print(f"tpf@0.95={at95['tpf']:.2f} acc@0.95={at95['acc']:.1f} acc@1.0={at100['acc']:.1f}")
+    print(f"tpf@0.95={at95['tpf']:.2f} acc@0.95={at95['acc']:.1f} acc@1.0={at100['acc']:.1f}{ar}")
     return 0
 
 
