@@ -159,7 +159,7 @@ GOOD = [dict(prompt=PROMPT, eos_token_id=[1], threshold=0.5, max_new_tokens=40),
 
 def alone_results(model, tiny_dir):
     gen = make(model, tiny_dir, prefill_chunk=16)
-    return [gen.generate(**dict(p)).token_ids for p in GOOD]
+    return [gen.generate(**dict(p)) for p in GOOD]
 
 
 def test_poisoned_rows_fail_alone_and_the_others_finish_as_if_alone(model, tiny_dir):
@@ -173,8 +173,8 @@ def test_poisoned_rows_fail_alone_and_the_others_finish_as_if_alone(model, tiny_
     good.append(gen.submit(**dict(GOOD[0])))  # prefills next to the denoising row and the poisoned one
     with pytest.raises(CloverError, match=f"request {bad.request_id} failed: RuntimeError: poisoned row"):
         gen.wait([bad, *good])
-    assert [h.result.token_ids for h in good] == alone[::-1]
-    assert all(h.result.finish_reason == "length" for h in good)
+    assert [(h.result.token_ids, h.result.finish_reason) for h in good] == [(r.token_ids, r.finish_reason)
+                                                                            for r in alone[::-1]]
     assert bad.result.finish_reason == "error" and "poisoned row" in bad.result.error
     with pytest.raises(CloverError, match="poisoned row"):
         list(bad)
@@ -183,7 +183,7 @@ def test_poisoned_rows_fail_alone_and_the_others_finish_as_if_alone(model, tiny_
     again = gen.submit(**dict(GOOD[0]))
     bad = gen.submit(prompt_ids=[POISON] * 5, max_new_tokens=8)
     results = gen.wait([again, bad], raise_errors=False)
-    assert results[0].token_ids == alone[0] and results[1].finish_reason == "error"
+    assert results[0].token_ids == alone[0].token_ids and results[1].finish_reason == "error"
 
 
 def test_request_past_the_checks_fails_at_admission_only(model, tiny_dir):
@@ -199,10 +199,11 @@ def test_request_past_the_checks_fails_at_admission_only(model, tiny_dir):
     object.__setattr__(bad3.request.params, "temperature", math.nan)
     b = gen.submit(**dict(GOOD[1]))
     results = gen.wait([a, bad, bad2, bad3, b], raise_errors=False)
-    assert [r.finish_reason for r in results] == ["length", "error", "error", "error", "length"]
+    assert [r.finish_reason for r in results] == [alone[0].finish_reason, "error", "error", "error",
+                                                  alone[1].finish_reason]
     assert "end token ids" in bad.result.error and "prompt token ids" in bad2.result.error
     assert "'temperature'" in bad3.result.error
-    assert [a.result.token_ids, b.result.token_ids] == alone
+    assert [a.result.token_ids, b.result.token_ids] == [r.token_ids for r in alone]
 
 
 def test_a_step_that_fails_for_no_single_row_fails_its_rows_and_the_loop_goes_on(model, tiny_dir):
