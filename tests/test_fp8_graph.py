@@ -138,18 +138,19 @@ def test_without_the_fp8_function_onnxruntime_and_check_fail(random_fp8):
 
 # --- agreement with the fp32 graph --------------------------------------------------------
 # Thresholds on the trained embedded default, held-out prompts (384 denoise positions), set from the
-# correct graph's figures measured here (ONNX Runtime CPU): top-1 99.22%, logit error max 2.135,
-# mean 0.084. Margins: agreement 98% (4 more misses than measured), max 3.0 (1.4x), mean 0.12 (1.4x).
+# correct graph's figures measured here (ONNX Runtime CPU; the default trained for both block and
+# next-token decoding): top-1 100.00%, logit error max 3.991, mean 0.066. Margins: agreement 98%
+# (7 misses), max 5.6 (1.4x), mean 0.095 (1.4x).
 # Measured with every activation scale multiplied by f (same run):
-#   f = 0.1: 79.69%, max 17.78, mean 2.014   f = 0.3: 97.40%, max 10.03, mean 0.697
-#   f = 3:   99.74%, max 1.49,  mean 0.064   f = 10:  99.74%, max 2.12,  mean 0.076
-#   f = 100: 98.96%, max 3.80,  mean 0.077   f = 1000: 96.88%, max 12.80, mean 0.251
+#   f = 0.1: 82.03%, max 19.21, mean 1.767   f = 0.3: 97.14%, max 9.76, mean 0.609
+#   f = 3:   98.96%, max 8.26,  mean 0.086   f = 10:  99.48%, max 3.96, mean 0.084
+#   f = 100: 99.48%, max 3.40,  mean 0.082   f = 1000: 97.66%, max 9.40, mean 0.116
 # e4m3 is floating point: a scale 10x too LARGE only moves the values 3.3 binades down its 17-binade
-# range and costs no accuracy (no threshold on the outputs can see it; the act-scale test above does);
-# a scale 10x too SMALL saturates at 448 and fails all three thresholds.
+# range and costs little accuracy (no threshold on the outputs can reliably see it; the act-scale test
+# above does); a scale 10x too SMALL saturates at 448 and fails all three thresholds.
 TRAINED_MIN_AGREEMENT = 0.98
-TRAINED_MAX_LOGIT_ERROR = 3.0
-TRAINED_MEAN_LOGIT_ERROR = 0.12
+TRAINED_MAX_LOGIT_ERROR = 5.6
+TRAINED_MEAN_LOGIT_ERROR = 0.095
 
 
 def trained_thresholds_fail(a: fp8_agreement.Agreement) -> list[str]:
