@@ -5,7 +5,8 @@
 
 On the held-out task prompts (clover_export.train.tasks, never trained on), greedy, for each mode:
 accuracy (exact answer), tokens per forward (response tokens / forwards the request took part in after its
-prompt), acceptance length (draft tokens accepted per verifying forward), the share of responses identical
+prompt), draft length and acceptance length (draft tokens proposed / accepted per verifying forward, the
+mean over every verification), the share of responses identical
 to `ar`'s token for token, and wall tokens/s on this machine, at batch 1 (one request at a time) and batch
 8 (eight stepping together). `low_confidence` runs at threshold 0.95; `self_spec` at each draft threshold
 given. All rows of one run share the process and the backend, so the ratios are side by side.
@@ -24,12 +25,15 @@ from clover_export.train import tasks
 
 
 def run(gen: Generator, prompts: list[str], batch: int, thinking: bool, **params) -> tuple[list, float]:
-    """Results of every prompt, `batch` requests stepping together; and the wall seconds."""
+    """Results of every prompt, `batch` requests stepping together; and the wall seconds. Each result
+    carries its request's draft totals (`drafted`, `verifications`)."""
     start, results = time.perf_counter(), []
     for i in range(0, len(prompts), batch):
         handles = [gen.submit(p, enable_thinking=thinking, max_new_tokens=48, **params)
                    for p in prompts[i:i + batch]]
         results += gen.wait(handles)
+        for h in handles:
+            h.result.drafted, h.result.verifications = h.request.drafted_tokens, h.request.verifications
     return results, time.perf_counter() - start
 
 
@@ -37,11 +41,12 @@ def row(name: str, batch: int, examples, results, seconds: float, ar_ids) -> str
     ok = sum(tasks.is_correct(ex, r.text) for ex, r in zip(examples, results))
     tokens = sum(len(r.token_ids) for r in results)
     forwards = sum(r.forwards for r in results)
-    spec = [r for r in results if r.accepted_per_forward]
-    accept = sum(r.accepted_per_forward for r in spec) / len(spec) if spec else 0.0
+    verifications = sum(r.verifications for r in results)
+    accept = sum(r.accepted_per_forward * r.verifications for r in results) / verifications if verifications else 0.0
+    drafted = sum(r.drafted for r in results) / verifications if verifications else 0.0
     same = sum(r.token_ids == a for r, a in zip(results, ar_ids)) if ar_ids else len(results)
-    return (f"{name:<24} {batch:>5} {100.0 * ok / len(results):>6.1f} {tokens / forwards:>6.2f} {accept:>7.2f} "
-            f"{100.0 * same / len(results):>7.1f} {tokens / seconds:>8.1f}")
+    return (f"{name:<24} {batch:>5} {100.0 * ok / len(results):>6.1f} {tokens / forwards:>6.2f} {drafted:>6.2f} "
+            f"{accept:>7.2f} {100.0 * same / len(results):>7.1f} {tokens / seconds:>8.1f}")
 
 
 def main(argv=None) -> int:
@@ -62,7 +67,7 @@ def main(argv=None) -> int:
                          prefix_cache=False)
     print(f"{args.count} held-out prompts, {args.backend}, thinking={args.thinking}, "
           f"{torch.get_num_threads()} thread(s)")
-    print(f"{'mode':<24} {'batch':>5} {'acc%':>6} {'tok/fw':>6} {'accept':>7} {'=ar %':>7} {'tok/s':>8}")
+    print(f"{'mode':<24} {'batch':>5} {'acc%':>6} {'tok/fw':>6} {'draft':>6} {'accept':>7} {'=ar %':>7} {'tok/s':>8}")
     summary = {}
     for batch in args.batches:
         ar, seconds = run(gen, prompts, batch, args.thinking, decoding="ar")
