@@ -4,13 +4,19 @@ For B = 1, 8, 64 rows (4k cached prefix each), with a random router and a
 planted-skew (Zipf) router, bf16 experts then FP8 experts (quantized at
 load): step time of a denoise step (32 block rows), a commit + denoise step
 (32 causal + 32 block rows) and an AR step (one row, plain top-8: the same
-weights as a block-size-1 engine), each beside its bound by PERF.md 1
-(`clover_export.model.perf_bound`; experts = the union selected by any row, as
-counted in an uncaptured run of the same step). Then tokens/s: block
-diffusion at tokens-per-forward 1, 2.55, 3.19 (one step of every block
-carries the folded commit) beside AR, and compiled vs eager: the eager
-reference model (plain-torch cores, the torch backend) and the kernels
-launched without graphs.
+weights as a block-size-1 engine) and a self_spec step of draft length k = 4
+and 10 (docs/decoding.md: 1 + k causal rows, the newest token and the draft,
+then 32 block rows; `logit_rows` = 0..k, so 1 + k rows of `causal_logits`;
+it replays in the C = 32 graph bucket, as the runtime runs it), each beside
+its bound by PERF.md 1 (`clover_export.model.perf_bound`; experts = the union
+selected by any row, as counted in an uncaptured run of the same step). Then
+tokens/s: block diffusion at tokens-per-forward 1, 2.55, 3.19 (one step of
+every block carries the folded commit) beside AR; self_spec at the embedded
+default's measured 5.46 tokens per forward (SELF_SPEC_TPF) and at k + 1 (every
+draft token accepted), every forward costing the step of draft length k,
+beside AR of the same B; and compiled vs eager: the eager reference model
+(plain-torch cores, the torch backend) and the kernels launched without graphs.
+The dry run's block is 8 rows, so its self_spec drafts are k = 4 and 7.
 
     python bench/e2e_gpu.py [--out DIR] [--budget-s 400]     # on the GPU (bash bench/e2e_gpu.sh)
     TRITON_INTERPRET=1 python bench/e2e_gpu.py --dry-run       # tiny config on the CPU (the test runs this)
@@ -49,6 +55,10 @@ from clover_export.testing.fullsize import full_size_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TPF = (1.0, 2.55, 3.19)  # tokens per forward: one per step, and the anchor's range (PERF.md 4)
+SELF_SPEC_K = (4, 10)  # draft lengths of the self_spec steps timed (at most block_size - 1)
+# self_spec tokens per forward of the embedded default (bench/decoding.py's runtime self_spec row, bench/README.md:
+# 10.02 draft tokens accepted per verifying forward); used with the draft lengths k whose ceiling k + 1 holds it
+SELF_SPEC_TPF = (5.46,)
 
 
 class Bench:
@@ -56,7 +66,7 @@ class Bench:
         self.args, self.t0 = args, time.perf_counter()
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.res: dict = {"rows": [], "eager": [], "tokens_per_s": [], "sections": {}}
+        self.res: dict = {"rows": [], "eager": [], "tokens_per_s": [], "self_spec_tokens_per_s": [], "sections": {}}
 
     def left(self) -> float:
         return self.args.budget_s - (time.perf_counter() - self.t0)
@@ -118,12 +128,17 @@ def zipf_bias(cfg, model, args, device) -> dict[int, torch.Tensor]:
     return out
 
 
-def step_inputs(cfg, B, C, N, past, device, seed=1):
+def step_inputs(cfg, B, C, N, past, device, seed=1, logit_rows: list[int] | None = None):
+    """A step of B rows x C causal + N block rows over `past` cached positions; `logit_rows` (the same causal
+    row indices for every row) adds the [B, R] `logit_rows` input, else the step leaves it out (row 0)."""
     g = torch.Generator().manual_seed(seed)
     i32 = dict(dtype=torch.int32)
-    return {names.INPUT_IDS: torch.randint(0, cfg.vocab_size, (B, C + N), generator=g, **i32).to(device),
-            names.N_CAUSAL: torch.full((B,), C, **i32).to(device), names.HAS_BLOCK: torch.ones(B, **i32).to(device),
-            names.SLOT_IDS: torch.arange(B, **i32).to(device), names.PAST_LEN: torch.full((B,), past, **i32).to(device)}
+    out = {names.INPUT_IDS: torch.randint(0, cfg.vocab_size, (B, C + N), generator=g, **i32).to(device),
+           names.N_CAUSAL: torch.full((B,), C, **i32).to(device), names.HAS_BLOCK: torch.ones(B, **i32).to(device),
+           names.SLOT_IDS: torch.arange(B, **i32).to(device), names.PAST_LEN: torch.full((B,), past, **i32).to(device)}
+    if logit_rows is not None:
+        out[names.LOGIT_ROWS] = torch.tensor(logit_rows, **i32).repeat(B, 1).to(device)
+    return out
 
 
 def fill_prefix_(pools, seed=2):
@@ -245,9 +260,11 @@ def main(argv=None):
     state: dict = {}
     max_b = max(batches)
     L = past + 2 * N + 8
+    spec_k = sorted({min(k, N - 1) for k in SELF_SPEC_K})  # causal rows 1 + k <= block_size (docs/decoding.md)
 
     def engines(fp8: bool):
-        """The block engine (buckets: batches x C in {0, N}) and the AR engine (block 1, C = 0), same weights."""
+        """The block engine (buckets: batches x C in {0, N}; self_spec's C = 1 + k replays in C = N, as in the
+        runtime) and the AR engine (block 1, C = 0), same weights."""
         from clover_export.backends.fp8_experts import quantize_at_load
         from clover_export.backends.triton_backend import TritonBackend
 
@@ -279,19 +296,28 @@ def main(argv=None):
         for router in ("random", "zipf"):
             set_router(router)
             for B in batches:
-                for kind, C, n, eng in (("denoise", 0, N, "blk"), ("commit+denoise", N, N, "blk"), ("ar", 0, 1, "ar")):
+                steps = [("denoise", 0, N, "blk", None), ("commit+denoise", N, N, "blk", None),
+                         ("ar", 0, 1, "ar", None)]
+                # self_spec: the newest token + a draft of k (causal), the block after it; logits of causal rows 0..k
+                steps += [(f"self_spec k={k}", 1 + k, N, "blk", list(range(k + 1))) for k in spec_k]
+                for kind, C, n, eng, logit_rows in steps:
                     be, pools = state[eng], state[f"{eng}_pools"]
-                    inputs = step_inputs(cfg, B, C, n, past, device)
+                    inputs = step_inputs(cfg, B, C, n, past, device, logit_rows=logit_rows)
+                    R = 1 if logit_rows is None else len(logit_rows)
                     ctx = plain_topk(model) if eng == "ar" else _null()
                     with ctx:
                         sel = union_per_layer(be, inputs, pools)
                         step_s = timed(lambda: be.step(inputs, pools), device, reps)
                     rows = B * (C + n)
+                    # The lm_head runs over n + R rows of each batch row: step_bytes reads its weights once
+                    # (logits=True) whatever the rows, bound_seconds's compute counts every active parameter,
+                    # lm_head included, for all C + n rows, i.e. exactly the logit rows when R = C (self_spec),
+                    # R - C rows short otherwise (1 a batch row; the logits written are in no step's bytes).
                     nbytes = perf_bound.step_bytes(cfg, rows=rows, past_len=[past] * B, experts_per_layer=sel,
                                                    fp8=experts == "fp8", dtype_bytes=4 if dry else 2)
                     bound = perf_bound.bound_seconds(cfg, nbytes.total, rows, bw, flops)
-                    row = dict(experts=experts, router=router, B=B, step=kind, causal=C, block=n,
-                               graph=be.graphs is not None and be.graphs.bucket_for(B, C) is not None,
+                    row = dict(experts=experts, router=router, B=B, step=kind, causal=C, block=n, logit_rows=R,
+                               graph=be.graphs is not None and be.graphs.bucket_for(B, C, R) is not None,
                                experts_per_layer=sum(sel) / len(sel), step_ms=1e3 * step_s,
                                bytes_GB=nbytes.total / 1e9, bound_ms=1e3 * bound["bound_s"],
                                compute_bound_ms=1e3 * bound["compute_s"],
@@ -324,7 +350,8 @@ def main(argv=None):
             bench.save()
 
     def tokens_per_s():
-        """Block diffusion: B x tpf / mean step, one step in 32/tpf carrying the commit; AR: B / AR step."""
+        """Block diffusion: B x tpf / mean step, one step in 32/tpf carrying the commit; AR: B / AR step;
+        self_spec: B x tpf / the step of draft length k, tpf the measured SELF_SPEC_TPF (where <= k + 1) and k + 1."""
         for experts in ("bf16", "fp8"):
             for router in ("random", "zipf"):
                 got = {(r["B"], r["step"]): r for r in bench.res["rows"]
@@ -347,6 +374,20 @@ def main(argv=None):
                                    block_share_of_bound=mean_bound / mean, ar_share_of_bound=ba / a)
                         bench.res["tokens_per_s"].append(row)
                         print("TPS " + json.dumps(row), flush=True)
+                    for k in spec_k:
+                        s = got.get((B, f"self_spec k={k}"))
+                        if s is None:
+                            continue
+                        for tpf in sorted({t for t in SELF_SPEC_TPF if t <= k + 1} | {float(k + 1)}):
+                            row = dict(experts=experts, router=router, B=B, draft=k, tokens_per_forward=tpf,
+                                       step_ms=s["step_ms"], self_spec_tokens_per_s=1e3 * B * tpf / s["step_ms"],
+                                       ar_tokens_per_s=ar_tps, self_spec_over_ar=tpf * a / s["step_ms"],
+                                       self_spec_bound_tokens_per_s=1e3 * B * tpf / s["bound_ms"],
+                                       ar_bound_tokens_per_s=ar_bound_tps,
+                                       self_spec_over_ar_at_bound=tpf * ba / s["bound_ms"],
+                                       self_spec_share_of_bound=s["bound_ms"] / s["step_ms"])
+                            bench.res["self_spec_tokens_per_s"].append(row)
+                            print("SPEC " + json.dumps(row), flush=True)
         bench.save()
 
     est = 30 if dry else 120  # rough seconds a section needs (compiles and captures dominate)
@@ -399,6 +440,19 @@ def summary(bench: Bench) -> None:
                          f"{r['block_tokens_per_s']:.4g} | {r['ar_tokens_per_s']:.4g} | {r['block_over_ar']:.2f} | "
                          f"{r['block_bound_tokens_per_s']:.4g} | {r['ar_bound_tokens_per_s']:.4g} | "
                          f"{r['block_share_of_bound']:.2f} | {r['ar_share_of_bound']:.2f} |")
+    if bench.res["self_spec_tokens_per_s"]:
+        lines += [
+            "",
+            "| experts | router | B | draft k | tok/fwd | step ms | self_spec tok/s | AR tok/s | self_spec/AR "
+            "| self_spec tok/s at bound | AR at bound | self_spec/AR at bound | self_spec share of bound |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in bench.res["self_spec_tokens_per_s"]:
+            lines.append(f"| {r['experts']} | {r['router']} | {r['B']} | {r['draft']} | {r['tokens_per_forward']} | "
+                         f"{r['step_ms']:.2f} | {r['self_spec_tokens_per_s']:.4g} | {r['ar_tokens_per_s']:.4g} | "
+                         f"{r['self_spec_over_ar']:.2f} | {r['self_spec_bound_tokens_per_s']:.4g} | "
+                         f"{r['ar_bound_tokens_per_s']:.4g} | {r['self_spec_over_ar_at_bound']:.2f} | "
+                         f"{r['self_spec_share_of_bound']:.2f} |")
     text = "\n".join(lines)
     (bench.out / "e2e_gpu.md").write_text(text + "\n")
     print(text, flush=True)

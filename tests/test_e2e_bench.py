@@ -28,7 +28,8 @@ def test_e2e_gpu_dry_run_covers_every_section(tmp_path):
     rows = res["rows"]
     kinds = {(r["experts"], r["router"], r["step"]) for r in rows}
     assert kinds == {(e, r, s) for e in ("bf16", "fp8") for r in ("random", "zipf")
-                     for s in ("denoise", "commit+denoise", "ar")}, (res["sections"], proc.stdout[-2000:])
+                     for s in ("denoise", "commit+denoise", "ar", "self_spec k=4", "self_spec k=7")}, (
+        res["sections"], proc.stdout[-2000:])  # the dry run's block of 8 caps the draft at k = 7
     from clover_export.core.config import config_from_dict
     from clover_export.model import perf_bound
 
@@ -47,5 +48,16 @@ def test_e2e_gpu_dry_run_covers_every_section(tmp_path):
     rand = [r["experts_per_layer"] for r in rows if r["router"] == "random" and r["step"] == "denoise"]
     assert max(zipf) < min(rand), (zipf, rand)  # the planted skew selects fewer experts
     assert {r["tokens_per_forward"] for r in res["tokens_per_s"]} == {1.0, 2.55, 3.19}
+    for r in rows:
+        if r["step"].startswith("self_spec"):  # 1 + k causal rows, the logits of all of them
+            assert r["logit_rows"] == r["causal"] == 1 + int(r["step"].split("=")[1]) and r["block"] == cfg.block_size
+    spec = res["self_spec_tokens_per_s"]
+    assert {(r["draft"], r["tokens_per_forward"]) for r in spec} == {(4, 5.0), (7, 5.46), (7, 8.0)}
+    assert len(spec) == 2 * 2 * 3 * len(res["env"]["batches"])
+    for r in spec:
+        ar_ms = next(x["step_ms"] for x in rows if (x["experts"], x["router"], x["B"], x["step"])
+                     == (r["experts"], r["router"], r["B"], "ar"))
+        assert r["self_spec_tokens_per_s"] == pytest.approx(1e3 * r["B"] * r["tokens_per_forward"] / r["step_ms"])
+        assert r["self_spec_over_ar"] == pytest.approx(r["self_spec_tokens_per_s"] / (1e3 * r["B"] / ar_ms))
     assert res["eager"] and all(r["compiled_vs_eager"] > 0 for r in res["eager"])
     assert (tmp_path / "e2e_gpu.md").read_text().count("|") > 50
