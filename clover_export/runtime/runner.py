@@ -184,31 +184,43 @@ class Runner:
         logits[:, 0] = row
 
     def _causal_seen(self, plan: StepPlan, R: int) -> tuple[int, list[int], list[int], list[int], list[int]]:
-        """What the controls read at the logit rows of lossless rows (runtime/speculative.py): (K, ids [B, K],
-        per-row counts [B, R, K], response index n [B, R], thinking open [B, R]). Row i counts the response
-        plus the draft's first i tokens; other rows get nothing counted."""
-        per_row = []
+        """What the controls of lossless rows' logit rows start from (runtime/speculative.py): (K, ids [B, K]
+        (the response's and the draft's tokens), the response's counts [B, K], [B, R - 1] the draft
+        (padding: -1), [B, 2] (response length, thinking open)). `_causal_controls` adds the draft's first
+        i tokens on the device for logit row i. Other rows get nothing counted."""
+        keys, base, drafts, state = [], [], [], []
         for r, req in enumerate(plan.requests):
             if not plan.logit_rows or not plan.logit_rows[r]:
-                per_row.append([])
+                keys.append([])
+                base.append([])
+                drafts += [-1] * (R - 1)
+                state += [0, 0]
                 continue
-            c = req.counts.copy()
-            rows = [c.copy()]
-            for tok in req.draft:
-                c[tok] += 1
-                rows.append(c.copy())
-            per_row.append(rows)
-        keys = [sorted(rows[-1]) if rows else [] for rows in per_row]
+            k = sorted(set(req.counts) | set(req.draft))
+            keys.append(k)
+            base.append([req.counts.get(t, 0) for t in k])
+            drafts += req.draft + [-1] * (R - 1 - len(req.draft))
+            state += [len(req.response),
+                      int(thinking_open(req.params.enable_thinking, self.think_end_id, req.counts))]
         K = max(len(k) for k in keys)
-        ids, counts, n, think = [], [], [], []
-        for r, (req, rows, k) in enumerate(zip(plan.requests, per_row, keys)):
-            ids += k + [self.mask_id] * (K - len(k))
-            for i in range(R):
-                c = rows[min(i, len(rows) - 1)] if rows else {}
-                counts += [c.get(t, 0) for t in k] + [0] * (K - len(k))
-                n.append(len(req.response) + i if rows else 0)
-                think.append(int(bool(rows) and thinking_open(req.params.enable_thinking, self.think_end_id, c)))
-        return K, ids, counts, n, think
+        ids = [t for k in keys for t in k + [self.mask_id] * (K - len(k))]
+        counts = [c for b in base for c in b + [0] * (K - len(b))]
+        return K, ids, counts, drafts, state
+
+    def _causal_controls(self, ids, counts, drafts, state, end_ids) -> Controls:
+        """Controls of logit row i: counts of the response plus the draft's first i tokens, n = response
+        length + i, thinking open until a `</think>` among those draft tokens (DECODING.md 3, 5)."""
+        B, K = ids.shape
+        R = drafts.shape[1] + 1
+        hits = (drafts[:, :, None] == ids[:, None, :]).float()  # [B, R - 1, K]
+        before = torch.cat([torch.zeros(B, 1, K, device=ids.device), hits.cumsum(1)], 1)  # draft[:i] counts
+        n = state[:, :1].float() + torch.arange(R, device=ids.device).float()
+        think = state[:, 1:] != 0
+        if self.think_end_id is not None:
+            ended = (drafts == self.think_end_id).int().cumsum(1) > 0
+            think = think & ~torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=ids.device), ended], 1)
+        return Controls(ids, counts.float()[:, None, :] + before, n, end_ids, self.think_end_id,
+                        think.expand(B, R))
 
     @torch.inference_mode()
     def rollback(self, snap: Snapshot, slots: list[int]) -> None:
@@ -231,14 +243,14 @@ class Runner:
         K, seen_ids, seen_counts, think = self._seen(plan)
         logit_rows = plan.logit_row_table()
         R = len(logit_rows) // B
-        Kc, c_ids, c_counts, c_n, c_think = self._causal_seen(plan, R)
+        Kc, c_ids, c_counts, drafts, c_state = self._causal_seen(plan, R)
         flat = torch.tensor(plan.input_ids + plan.n_causal + plan.has_block + plan.slot_ids + plan.past_len
                             + plan.response_base + think + seen_ids + seen_counts + logit_rows
-                            + c_ids + c_counts + c_n + c_think, dtype=torch.int32)
+                            + c_ids + c_counts + drafts + c_state, dtype=torch.int32)
         flat = flat.to(self.device, non_blocking=True)
         (ids, n_causal, has_block, slot_ids, past_len, base, think_open, seen_ids, seen_counts, rows,
-         c_ids, c_counts, c_n, c_think) = flat.split([B * T, B, B, B, B, B, B, B * K, B * K, B * R, B * Kc,
-                                                     B * R * Kc, B * R, B * R])
+         c_ids, c_counts, drafts, c_state) = flat.split([B * T, B, B, B, B, B, B, B * K, B * K, B * R, B * Kc,
+                                                        B * Kc, B * (R - 1), B * 2])
         inputs = {names.INPUT_IDS: ids.view(B, T), names.N_CAUSAL: n_causal, names.HAS_BLOCK: has_block,
                   names.SLOT_IDS: slot_ids, names.PAST_LEN: past_len, names.LOGIT_ROWS: rows.view(B, R)}
         result = self.backend.step(inputs, self.pools)
@@ -271,8 +283,8 @@ class Runner:
         new_block, _ = fill(block, tok, conf, params.threshold, self.mask_id, active)
         # the leading confident block positions after position 0: self_spec's next draft (DECODING.md 5)
         lead = (conf[:, 1:] > params.draft_threshold[:, None]).int().cumprod(1).sum(1, keepdim=True)
-        causal = Controls(c_ids.long().view(B, Kc), c_counts.float().view(B, R, Kc), c_n.float().view(B, R),
-                          end_ids, self.think_end_id, c_think.view(B, R) != 0)
+        causal = self._causal_controls(c_ids.long().view(B, Kc), c_counts.view(B, Kc), drafts.long().view(B, R - 1),
+                                       c_state.view(B, 2), end_ids)
         ar_tok, sampled = self._verify(plan, lossless, result.causal_logits, causal, params)
         out = torch.cat([new_block, coreset.to(torch.int32).sum(1, keepdim=True), tok.to(torch.int32),
                          lead.to(torch.int32), ar_tok.to(torch.int32), sampled], 1).tolist()  # the one read
