@@ -255,6 +255,44 @@ def test_speculative_sampling_rule_gives_the_target_distribution():
     assert _chi2_fits(mutated, P[0].tolist()) < 1e-6
 
 
+def test_a_sampled_draft_is_verified_against_the_distribution_it_was_drawn_from(tiny_dir, monkeypatch):
+    """The q handed to the acceptance rule is the block distribution of the step that drew the draft (rows
+    1..len(draft)), not the one the verifying step draws its next draft from, and the draft's tokens are
+    the ones drawn there."""
+    import clover_export.runtime.runner as runner_module
+
+    gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=2)
+    kept, checked = {}, []
+    real_drafts, real_accept = Runner._self_spec_drafts, runner_module.accept_sampled
+
+    def drafts(runner, plan, rows, logits, params, tok, conf):
+        out = real_drafts(runner, plan, rows, logits, params, tok, conf)
+        for r in rows:
+            kept[plan.requests[r].request_id] = (runner.draft_q[plan.requests[r].slot].clone(), tok[r, 1:].tolist())
+        return out
+
+    def accept(p, q, draft, generator):
+        req = current[0]
+        if len(draft):
+            q_then, tokens_then = kept[req.request_id]
+            checked.append(torch.equal(q, q_then[:len(draft)]) and draft.tolist() == tokens_then[:len(draft)])
+        return real_accept(p, q, draft, generator)
+
+    current = []
+    real_verify = Runner._verify
+
+    def verify(runner, plan, rows, causal_logits, controls, params):
+        current[:] = [plan.requests[r] for r in rows if plan.requests[r].params.do_sample]
+        return real_verify(runner, plan, rows, causal_logits, controls, params)
+
+    monkeypatch.setattr(Runner, "_self_spec_drafts", drafts)
+    monkeypatch.setattr(Runner, "_verify", verify)
+    monkeypatch.setattr(runner_module, "accept_sampled", accept)
+    gen.generate("Sort: 8 1 6 2 9 3", decoding="self_spec", do_sample=True, seed=3, max_new_tokens=24,
+                 enable_thinking=False, draft_threshold=0.0)
+    assert checked and all(checked), checked
+
+
 def sampled_continuations(gen, mode: str, runs: int, **params) -> Counter:
     """Tokens 2 and 3 of `runs` seeded sampling runs of a short continuation (the first token is always
     the AR model's own draw; the ones after it are what a draft can carry)."""
@@ -292,23 +330,29 @@ def test_self_spec_sampling_is_distributed_as_ar_sampling(tiny_dir, monkeypatch)
 
 
 # --- every backend, and the prefix cache ---------------------------------------------------------
-def _modes_case(gen, max_new_tokens: int = 24) -> dict:
-    """ar alone, then self_spec (every position drafted: rejections and rollbacks) beside low_confidence."""
+MODES_PROMPTS = ["Sort: 7 3 9 1 4", "Reverse: 4 5 6 1"]
+
+
+def _ar_case(gen, max_new_tokens: int = 24) -> list[list[int]]:
     params = dict(max_new_tokens=max_new_tokens, draft_threshold=0.0, enable_thinking=False)
-    prompts = ["Sort: 7 3 9 1 4", "Reverse: 4 5 6 1"]
-    ar = gen.wait([gen.submit(p, decoding="ar", **params) for p in prompts])
-    handles = [gen.submit(p, decoding=m, **params) for p, m in zip(prompts, ["self_spec", "low_confidence"])]
-    handles.append(gen.submit(prompts[1], decoding="self_spec", **params))
+    return [r.token_ids for r in gen.wait([gen.submit(p, decoding="ar", **params) for p in MODES_PROMPTS])]
+
+
+def _spec_case(gen, max_new_tokens: int = 24) -> dict:
+    """self_spec (every position drafted: rejections and rollbacks) beside low_confidence."""
+    params = dict(max_new_tokens=max_new_tokens, draft_threshold=0.0, enable_thinking=False)
+    modes = ["self_spec", "low_confidence", "self_spec"]
+    handles = [gen.submit(p, decoding=m, **params) for p, m in zip(MODES_PROMPTS + MODES_PROMPTS[1:], modes)]
     spec = gen.wait(handles)
-    return {"ar": [r.token_ids for r in ar], "spec": [spec[0].token_ids, spec[2].token_ids],
+    return {"spec": [spec[0].token_ids, spec[2].token_ids],
             "drafted": sum(h.request.drafted_tokens for h in handles),
             "accepted": sum(h.request.accepted_tokens for h in handles)}
 
 
 def test_self_spec_equals_ar_on_onnx_runtime():
     gen = Generator.load(None, backend="ort", max_slots=3)
-    r = _modes_case(gen)
-    assert r["spec"] == r["ar"]
+    r = _spec_case(gen)
+    assert r["spec"] == _ar_case(gen)
     assert r["drafted"] > r["accepted"] > 0
 
 
@@ -317,13 +361,14 @@ import json
 from clover_export.runtime import Generator
 import tests.test_lossless as t
 gen = Generator.load(None, backend="triton", device="cpu", dtype="fp32", max_slots=3, prefill_chunk=64)
-print("RESULT " + json.dumps(t._modes_case(gen, max_new_tokens=10)))
+print("RESULT " + json.dumps(t._spec_case(gen, max_new_tokens=10)))
 """
 
 
 @pytest.mark.slow
 def test_self_spec_equals_ar_on_the_triton_kernels():
-    """The Triton kernels (TRITON_INTERPRET=1 on the CPU, in a child process: the interpreter is global)."""
+    """The Triton kernels (TRITON_INTERPRET=1 on the CPU, in a child process: the interpreter is global)
+    against ar on the torch backend (fp32 both)."""
     import os
     import subprocess
     import sys
@@ -336,7 +381,8 @@ def test_self_spec_equals_ar_on_the_triton_kernels():
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, proc.stderr[-3000:]
     r = json.loads(line[len("RESULT "):])
-    assert r["spec"] == r["ar"]
+    ar = _ar_case(Generator.load(None, backend="torch", dtype="fp32", max_slots=3), max_new_tokens=10)
+    assert r["spec"] == ar
     assert r["drafted"] > 0
 
 

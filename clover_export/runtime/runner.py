@@ -267,6 +267,10 @@ class Runner:
         n = (base[:, None] + torch.arange(N, device=self.device)).float()
         params = RowParams(self.params.index_select(0, slots))
         end_ids = self.end_ids.index_select(0, slots)
+        # first verify the draft of the last step (with the q it was drawn from), then draft the next one
+        causal = self._causal_controls(c_ids.long().view(B, Kc), c_counts.view(B, Kc), drafts.long().view(B, R - 1),
+                                       c_state.view(B, 2), end_ids)
+        ar_tok, sampled = self._verify(plan, lossless, result.causal_logits, causal, params)
         spec_rows = [r for r in range(B) if plan.requests[r].decoding == "self_spec" and plan.has_block[r]]
         # only low_confidence rows with a block draw here: a row's generator is consumed by its own steps alone,
         # so a seeded request gives the same tokens whatever else shares the step (DECODING.md 4)
@@ -283,9 +287,6 @@ class Runner:
         new_block, _ = fill(block, tok, conf, params.threshold, self.mask_id, active)
         # the leading confident block positions after position 0: self_spec's next draft (DECODING.md 5)
         lead = (conf[:, 1:] > params.draft_threshold[:, None]).int().cumprod(1).sum(1, keepdim=True)
-        causal = self._causal_controls(c_ids.long().view(B, Kc), c_counts.view(B, Kc), drafts.long().view(B, R - 1),
-                                       c_state.view(B, 2), end_ids)
-        ar_tok, sampled = self._verify(plan, lossless, result.causal_logits, causal, params)
         out = torch.cat([new_block, coreset.to(torch.int32).sum(1, keepdim=True), tok.to(torch.int32),
                          lead.to(torch.int32), ar_tok.to(torch.int32), sampled], 1).tolist()  # the one read
         verdicts: list[Verdict | None] = [None] * B
