@@ -313,7 +313,7 @@ def test_models_retrieve_and_stream_usage_null(server):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     check_error(httpx.get(server.url + "/v1/models/org/other", headers=AUTH), 404, "model_not_found", "model")
-    body = {**NORMAL, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**NORMAL, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # 12 tokens
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
         events = [e for e in r.read().decode().split("\n\n") if e]
     chunks = [json.loads(e[6:]) for e in events[:-1]]
@@ -373,7 +373,7 @@ def test_hostile_temperatures_and_max_temperature_do_not_delay_a_normal_request(
     finish like any other (each block at most block_size denoise steps); a normal request beside them all is
     answered within a few seconds."""
     _, alone = timed(server.post, "/v1/completions", NORMAL)
-    hot = {"prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 32, "temperature": 2}
+    hot = {"prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 32, "temperature": 2, "ignore_eos": True}
     with ThreadPoolExecutor(17) as pool:
         hostile = [pool.submit(server.post, "/v1/completions",
                                content=b'{"prompt": "Hi", "max_tokens": 900, "temperature": ' + t + b"}")

@@ -52,7 +52,7 @@ def test_ort_greedy_tokens_equal_the_torch_backend(checkpoint, artifact, prompt_
     from clover_export.backends.torch_backend import TorchBackend
     from clover_export.runtime.generator import Generator
 
-    params = dict(prompt_ids=prompt_ids, max_new_tokens=64, threshold=0.9)
+    params = dict(prompt_ids=prompt_ids, max_new_tokens=64, threshold=0.9, ignore_eos=True)  # any weights: 64 tokens
     torch_gen = Generator(TorchBackend.load(checkpoint, dtype="fp32"), checkpoint, max_slots=1, prefill_chunk=256)
     ort_gen = Generator(OrtBackend.load(artifact, providers=["CPUExecutionProvider"]), artifact, max_slots=1,
                         prefill_chunk=256)
