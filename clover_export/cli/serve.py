@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -106,7 +107,12 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
         from clover_export.serve.ray_app import run_replicas
 
         run_replicas(opts, replicas, host, port)
-        return
+        # Ray is shut down; its C++ threads can abort the interpreter's own teardown (SIGABRT, ray-project/ray
+        # issue 37288), so the process ends here, streams flushed
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
     _run_uvicorn(opts, host, port, drain_timeout, log_level)
 
 
