@@ -157,7 +157,8 @@ def test_ray_serve_two_cpu_replicas_give_the_same_answers(tiny_dir):
         bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "n": 2})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
+        rc = proc.wait(120)
+        assert rc == 0, (rc, proc.communicate()[0][-4000:])
     finally:
         if proc.poll() is None:
             proc.kill()
