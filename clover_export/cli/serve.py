@@ -107,8 +107,8 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
         from clover_export.serve.ray_app import run_replicas
 
         run_replicas(opts, replicas, host, port)
-        # Ray Serve is shut down; Ray's own teardown (ray.shutdown, interpreter exit) can abort the process
-        # (SIGABRT, ray-project/ray issue 37288), so it ends here, streams flushed (run_replicas)
+        # Ray is shut down; its C++ threads can abort the interpreter's own teardown (SIGABRT, ray-project/ray
+        # issue 37288), so the process ends here, streams flushed
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()

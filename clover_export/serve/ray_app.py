@@ -112,6 +112,4 @@ def run_replicas(opts: ServeOptions, replicas: int, host: str, port: int) -> Non
         stop.wait()
     finally:
         serve.shutdown()
-    # No ray.shutdown(): its teardown can abort the process (SIGABRT) on a loaded machine. The caller ends the
-    # process with os._exit, and the local cluster's processes share its fate (Ray's kernel fate sharing,
-    # PR_SET_PDEATHSIG on Linux), so they end with it.
+        ray.shutdown()  # also ends the agents the raylet started (they outlive a process that skips it)
