@@ -173,8 +173,7 @@ class Scheduler:
         if req.lossless:
             return self._lossless_rows(req, chunk_len)
         if req.phase is Phase.PREFILL:
-            pos = req.prefill_pos
-            chunk = req.prefill_ids[pos: min([pos + chunk_len] + [c for c in req.cuts if c > pos])]
+            chunk = self._prefill_chunk(req, chunk_len)
             last = req.prefill_pos + len(chunk) == len(req.prefill_ids)
             if last and self.fold_commit:  # last prefill chunk folded into the first denoise step
                 if not req.block:
@@ -185,14 +184,19 @@ class Scheduler:
             return req.pending_commit, None
         return req.pending_commit, req.block  # DENOISE (pending_commit empty unless folded)
 
+    @staticmethod
+    def _prefill_chunk(req: Request, chunk_len: int) -> list[int]:
+        """The request's next prompt chunk: at most chunk_len tokens, ending early at a cut (prefix_cache.py)."""
+        pos = req.prefill_pos
+        return req.prefill_ids[pos: min([pos + chunk_len] + [c for c in req.cuts if c > pos])]
+
     def _lossless_rows(self, req: Request, chunk_len: int) -> tuple[list[int], list[int] | None]:
         """ar / self_spec (DECODING.md 5): prompt chunks, then the tokens not yet cached followed by the draft;
         self_spec adds a block of masks after them (its one-step fill is the next draft)."""
         block = [req.mask_id] * self.block_size if req.decoding == "self_spec" else None
         if req.phase is Phase.PREFILL:
-            pos = req.prefill_pos
-            chunk = req.prefill_ids[pos: min([pos + chunk_len] + [c for c in req.cuts if c > pos])]
-            return chunk, block if pos + len(chunk) == len(req.prefill_ids) else None
+            chunk = self._prefill_chunk(req, chunk_len)
+            return chunk, block if req.prefill_pos + len(chunk) == len(req.prefill_ids) else None
         return req.pending + req.draft, block
 
     @staticmethod
