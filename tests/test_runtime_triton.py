@@ -20,6 +20,25 @@ from clover_export.core.errors import CloverError
 
 
 # ----------------------------------------------------------------- the checks (run in the child)
+class EagerGraph:
+    """A stand-in for a captured CUDA graph on the CPU: replay = the step on the static buffers, results into
+    the static outputs."""
+
+    def __init__(self, fn, static, out):
+        self.fn, self.static, self.out = fn, static, out
+
+    def replay(self):
+        for dst, src in zip(self.out, self.fn(self.static)):
+            dst.copy_(src)
+
+
+def install_eager_graph(graphs, bucket, fn) -> None:
+    """Put an EagerGraph where StepGraphs keeps the bucket's (graph, static inputs, static outputs)."""
+    static = graphs._static_inputs(bucket)
+    out = tuple(t.clone() for t in fn(static))
+    graphs.graphs[bucket] = (EagerGraph(fn, static, out), static, out)
+
+
 def tokens_case():
     """Greedy tokens of a batch whose requests are in different phases: torch == triton (embedded default)."""
     from clover_export.runtime import Generator
@@ -128,19 +147,9 @@ def causal_logits_case():
     graph_pools = {k: v.clone() for k, v in start.items()}
     fn = lambda inp: tri._run(inp, graph_pools)  # noqa: E731
 
-    class EagerGraph:  # replay = the step on the static buffers, results into the static outputs
-        def __init__(self, static, out):
-            self.static, self.out = static, out
-
-        def replay(self):
-            for dst, src in zip(self.out, fn(self.static)):
-                dst.copy_(src)
-
     b = Bucket(4, N + 1)
     graphs = StepGraphs(fn, [b], N, slots, torch.device("cpu"))
-    static = graphs._static_inputs(b)
-    out = tuple(t.clone() for t in fn(static))
-    graphs.graphs[b] = (EagerGraph(static, out), static, out)
+    install_eager_graph(graphs, b, fn)
     bucket = graphs.replay(b, inputs)
     err = lambda a, w: float((a - w).abs().max())  # noqa: E731
     return {"shape": list(eager.causal_logits.shape), "bucket_shape": list(bucket[2].shape),
@@ -374,19 +383,9 @@ def test_a_step_padded_into_a_bucket_gives_the_unpadded_step(tiny_dir):
         res = be.step(inp, pools)
         return res[0], res[1], res.causal_logits
 
-    class EagerGraph:  # replay = the step on the static buffers, results into the static outputs
-        def __init__(self, static, out):
-            self.static, self.out = static, out
-
-        def replay(self):
-            for dst, src in zip(self.out, fn(self.static)):
-                dst.copy_(src)
-
     b = Bucket(4, N)
     graphs = StepGraphs(fn, [b], N, slots, torch.device("cpu"))
-    static = graphs._static_inputs(b)
-    graphs.graphs[b] = (EagerGraph(static, None), static, tuple(t.clone() for t in fn(static)))
-    graphs.graphs[b][0].out = graphs.graphs[b][2]
+    install_eager_graph(graphs, b, fn)
     for k, v in pools.items():  # the capture-time warm-up ran on the scratch slot only
         assert torch.equal(v[:slots], ref_pools[k][:slots]), k
 
