@@ -161,20 +161,25 @@ def test_evaluator_is_the_runtime_loop(tiny_dir):
     assert [d.experts_per_block for d in outs] == pytest.approx([r.distinct_experts_per_block for r in res])
 
 
-def test_few_steps_reduce_loss_on_fixed_batch(codec):
-    torch.manual_seed(0)
-    model = new_model(tiny_config_dict(**SMALL), seed=0)
-    batch, _ = fixed_batch(codec)
+def loss_before_and_after_steps(model, batch, loss_fn, steps: int = 8) -> tuple[float, float]:
+    """`loss_fn(model, batch)` before and after `steps` AdamW steps on it (lr 3e-3)."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with torch.no_grad():
-        before = block_loss(model, batch).item()
-    for _ in range(8):
-        loss = block_loss(model, batch)
+        before = loss_fn(model, batch).item()
+    for _ in range(steps):
+        loss = loss_fn(model, batch)
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        after = block_loss(model, batch).item()
+        return before, loss_fn(model, batch).item()
+
+
+def test_few_steps_reduce_loss_on_fixed_batch(codec):
+    torch.manual_seed(0)
+    model = new_model(tiny_config_dict(**SMALL), seed=0)
+    batch, _ = fixed_batch(codec)
+    before, after = loss_before_and_after_steps(model, batch, block_loss)
     assert after < 0.7 * before, (before, after)
 
 
@@ -183,16 +188,7 @@ def test_few_steps_reduce_ar_loss_on_fixed_batch(codec):
     torch.manual_seed(0)
     model = new_model(tiny_config_dict(**SMALL), seed=0)
     batch, _, _ = causal_batch(codec)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with torch.no_grad():
-        before = ar_loss(model, batch).item()
-    for _ in range(8):
-        loss = ar_loss(model, batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        after = ar_loss(model, batch).item()
+    before, after = loss_before_and_after_steps(model, batch, ar_loss)
     assert after < 0.7 * before, (before, after)
 
 
