@@ -11,11 +11,11 @@ from click.testing import CliRunner
 from clover_export.cli import main
 from clover_export.core import generation
 
-PROMPT = "12*12="  # the embedded model accepts some of self_spec's drafts here
+PROMPT = "Reverse: 2 8 2 7 9 2 6"  # a held-out task: 18 tokens, most of them self_spec drafts the model accepts
 
 
 def run_json(*args):
-    r = CliRunner().invoke(main, ["generate", "--prompt", PROMPT, "--raw", "--max-new-tokens", "40", "--json", *args])
+    r = CliRunner().invoke(main, ["generate", "--prompt", PROMPT, "--max-new-tokens", "40", "--json", *args])
     assert r.exit_code == 0, r.output
     return json.loads(r.output.strip().splitlines()[-1])
 
@@ -39,20 +39,22 @@ def test_json_reports_the_mode_and_its_forwards():
     from clover_export.runtime import Generator
 
     gen = Generator.load(None, max_slots=1)
-    figures = ("decoding", "token_ids", "forwards", "tokens_per_forward", "accepted_per_forward")
+    exact, figures = ("decoding", "token_ids", "forwards"), ("tokens_per_forward", "accepted_per_forward")
     rows = {}
     for name, args, params in (("ar", ["--decoding", "ar"], {"decoding": "ar"}),
                                ("spec", ["--decoding", "self_spec"], {"decoding": "self_spec"}),
                                ("none", ["--decoding", "self_spec", "--draft-threshold", "1"],
                                 {"decoding": "self_spec", "draft_threshold": 1.0})):
         row = rows[name] = run_json(*args)
-        want = gen.generate(PROMPT, raw=True, max_new_tokens=40, **params).to_dict()
-        assert {k: row[k] for k in figures} == pytest.approx({k: want[k] for k in figures}), name
+        want = gen.generate(PROMPT, max_new_tokens=40, **params).to_dict()
+        assert {k: row[k] for k in exact} == {k: want[k] for k in exact}, name
+        assert [row[k] for k in figures] == pytest.approx([want[k] for k in figures]), name
         assert row["tokens_per_forward"] == pytest.approx(row["response_tokens"] / row["forwards"])
     ar, spec, none = rows["ar"], rows["spec"], rows["none"]
     assert ar["forwards"] >= ar["response_tokens"] - 1 and ar["accepted_per_forward"] == 0
     assert (spec["token_ids"], spec["text"]) == (ar["token_ids"], ar["text"]) == (none["token_ids"], none["text"])
-    assert 0 < spec["forwards"] <= ar["forwards"] == none["forwards"] and none["accepted_per_forward"] == 0
+    assert ar["response_tokens"] >= 8 and spec["accepted_per_forward"] > 0
+    assert 0 < spec["forwards"] < ar["forwards"] == none["forwards"] and none["accepted_per_forward"] == 0
     default = run_json()
     assert default["decoding"] == "low_confidence" and default["accepted_per_forward"] == 0
     assert default["forwards"] == default["denoise_steps"]
