@@ -14,12 +14,12 @@ MASK = 6  # the padding id of the counted-token list (never counted)
 LOGITS = [2.0, -1.0, 0.5, 3.0, -2.0, 1.0, float("-inf")]
 
 
-def run(counts, n, think_end_id=THINK, **kw):
+def run(counts, n, think_end_id=THINK, logits=LOGITS, **kw):
     base = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, dllm_length_penalty=0.0,
                 dllm_think_end_bias=0.0)
     s = GenerationSettings(**{**base, **kw})
     p = RowParams(torch.tensor([param_row(s)]))
-    logits = torch.tensor([[LOGITS] * len(n)])
+    logits = torch.tensor([[logits] * len(n)])
     end = torch.tensor([[END, -1]])  # one end token, one padding entry
     seen = {t: c for t, c in enumerate(counts) if c > 0}
     ids, cnt = sparse([seen], pad=MASK)
@@ -151,3 +151,27 @@ def test_largest_accepted_values_keep_every_logit_a_number():
     for n in ([0, 1], [10, 11]):
         out = run([1, 2, 0, 1, 0, 0, 0], n, min_tokens=5, **top)
         assert not torch.tensor(out).isnan().any(), out
+
+
+def test_the_smallest_accepted_divisors_keep_the_logits_finite_and_smaller_ones_are_refused():
+    """repetition_penalty and the ramp windows divide the logits / response positions (DECODING.md 3). At
+    their lowest accepted value the controls stay finite in float32 (a huge logit, a seen token, positions on
+    and past the ramp start, strengths at their maximum); values that float32 turns into an overflow (1e-39)
+    or a zero (1e-46) are refused naming the field."""
+    from clover_export.core.errors import CloverError
+    from clover_export.core.generation import RANGES
+
+    divisors = ("repetition_penalty", "dllm_length_penalty_window", "dllm_think_end_window")
+    low = {name: RANGES[name].low for name in divisors}
+    strong = dict(dllm_length_penalty=RANGES["dllm_length_penalty"].high,
+                  dllm_think_end_bias=RANGES["dllm_think_end_bias"].high, dllm_length_penalty_start=3.0,
+                  dllm_think_end_start=3.0)
+    huge = [1e4, -1e4, *LOGITS[2:]]
+    out = run([1, 1, 0, 0, 0, 0, 0], [2.0, 3.0, 4.0], logits=huge, **low, **strong)
+    assert all(torch.isfinite(torch.tensor(row[:-1])).all() for row in out), out
+    assert out[0][0] == pytest.approx(1e4 / low["repetition_penalty"]) and out[0][END] == 1.0
+    assert out[2][END] == pytest.approx(1.0 + strong["dllm_length_penalty"])
+    for name in divisors:
+        for bad in (low[name] / 2, 1e-39, 1e-46, 0.0):
+            with pytest.raises(CloverError, match=f"'{name}' must be a finite number in \\[1e-06"):
+                GenerationSettings().override(**{name: bad})

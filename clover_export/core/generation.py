@@ -121,6 +121,9 @@ SAMPLING_EPS = 1e-5  # a lower temperature decodes greedily (vLLM's _SAMPLING_EP
 # position of 1e6 lies past any context, a temperature of 1e6 is uniform) and finite in float32, the dtype of
 # the runner's parameter table (an infinite strength times a zero ramp would be NaN).
 REAL_MAX = 10**6
+# The smallest value of a parameter the controls divide by (repetition_penalty, the ramp windows): a logit
+# divided by it stays finite in float32, where 1e-39 would overflow and 1e-46 rounds to a division by zero.
+DIVISOR_MIN = 1 / REAL_MAX
 
 # The one place for the parameter ranges (DECODING.md 1.2 and 3).
 RANGES: dict[str, Range] = {
@@ -130,15 +133,15 @@ RANGES: dict[str, Range] = {
     "temperature": Range("real", 0, REAL_MAX, low_open=True),  # below SAMPLING_EPS: greedy
     "top_k": Range("int", 0),  # 0 = off
     "top_p": Range("real", 0, 1, low_open=True),
-    "repetition_penalty": Range("real", 0, REAL_MAX, low_open=True),
+    "repetition_penalty": Range("real", DIVISOR_MIN, REAL_MAX),
     "frequency_penalty": Range("real", -2, 2),  # OpenAI's range: negative favours repeats
     "presence_penalty": Range("real", -2, 2),
     "dllm_length_penalty": Range("real", 0, REAL_MAX),
     "dllm_length_penalty_start": Range("real", 0, REAL_MAX),
-    "dllm_length_penalty_window": Range("real", 0, REAL_MAX, low_open=True),
+    "dllm_length_penalty_window": Range("real", DIVISOR_MIN, REAL_MAX),
     "dllm_think_end_bias": Range("real", 0, REAL_MAX),
     "dllm_think_end_start": Range("real", 0, REAL_MAX),
-    "dllm_think_end_window": Range("real", 0, REAL_MAX, low_open=True),
+    "dllm_think_end_window": Range("real", DIVISOR_MIN, REAL_MAX),
     "enable_thinking": Range("bool"),
     "min_tokens": Range("int", 0),
     "ignore_eos": Range("bool"),
