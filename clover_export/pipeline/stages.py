@@ -191,8 +191,9 @@ def _quantize(source: str, name: str, ctx: BuildContext) -> dict:
 
     # force: the build's own folder
     rep = quantize_graph(ctx.out / source, ctx.out / name, ctx.amax, force=True, weights=ctx.weights)
+    placed = f"{rep.bytes_written} bytes copied" if rep.bytes_written else "linked"  # small files are copied
     log.info(f"[quantize] {name}: {rep.gemms} GEMMs with Q/DQ, {rep.expert_tensors} expert tensors e4m3, "
-             f"linked to {ctx.weights.dir.name}/ ({rep.bytes_written} weight bytes written)")
+             f"weights from {ctx.weights.dir.name}/ ({placed})")
     return {"gemms": rep.gemms, "experts": rep.expert_tensors}
 
 
