@@ -29,12 +29,14 @@ REFERENCE_EVALUATOR = "onnx-reference"
 
 
 def to_torch(a) -> torch.Tensor:
-    """A numpy array (bf16 as `ml_dtypes.bfloat16`) as a torch tensor sharing its memory; a tensor as is."""
+    """A numpy array (bf16 as `ml_dtypes.bfloat16`) as a torch tensor, sharing its memory where the array is
+    contiguous and writable (a read-only array, e.g. a memory-mapped weight, is copied); a tensor as is."""
     if isinstance(a, torch.Tensor):
         return a
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
