@@ -23,6 +23,7 @@ from clover_export.core.errors import CloverError
 from clover_export.serve.app import ServeOptions, build_app
 
 DEPLOYMENT_NAME = "CloverServer"
+PROXY_READY_TIMEOUT_S = 60  # Ray Serve's own limit for serve.start (HTTP_PROXY_TIMEOUT)
 
 
 def _ray():
@@ -98,18 +99,37 @@ def app_builder(args: dict[str, Any]):
                       float(num_gpus) if num_gpus is not None else None)
 
 
+class _StoppedWhileStarting(BaseException):
+    """SIGTERM/SIGINT before the deployment is up (a BaseException, so no `except Exception` in Ray keeps it)."""
+
+
 def run_replicas(opts: ServeOptions, replicas: int, host: str, port: int) -> None:
     """`clover-export serve --replicas N` on this machine; SIGTERM/SIGINT shut it down, exit 0."""
     ray, serve = _ray()
+    stop, starting = threading.Event(), [True]
+
+    def on_signal(*_) -> None:
+        stop.set()
+        if starting[0]:  # leave serve.start / serve.run now rather than when every replica is up
+            starting[0] = False
+            raise _StoppedWhileStarting
+
+    # Ray Serve kills an HTTP proxy not ready within 5 s and serve.start then fails: too short where the
+    # replicas' engines load beside it. The cluster's processes inherit this (a user's own value wins).
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_TIMEOUT_S))
     ray.init(num_cpus=max(os.cpu_count() or 1, replicas), include_dashboard=False, log_to_driver=False)
+    # At once after ray.init, which installs its own C++ SIGTERM handler (a stack dump, then abort): the first
+    # replica answers /health while serve.run still waits for the others, so a SIGTERM can come this early.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(opts, replicas), name="clover", route_prefix="/", blocking=False)
+        starting[0] = False
         print(f"clover-export: {replicas} replica(s) of {opts.model_id} serving on http://{host}:{port}", flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
+    except _StoppedWhileStarting:
+        pass
     finally:
         serve.shutdown()
         ray.shutdown()  # also ends the agents the raylet started (they outlive a process that skips it)
