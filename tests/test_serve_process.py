@@ -127,6 +127,20 @@ def test_missing_or_unloadable_model_is_one_line_and_exit_1(tmp_path):
     assert len(lines) == 1 and "could not be loaded" in lines[0] and "Traceback" not in proc.stderr
 
 
+def test_replicas_of_a_folder_without_a_model_are_one_line_before_ray_starts(tmp_path):
+    """--replicas reads the model's config in the command's own process: a folder holding no model is the
+    same one-line error as without Ray, in seconds, and no Ray instance is started."""
+    pytest.importorskip("ray.serve")
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "manifest.json").write_text("{}")  # an artifact folder written by another version
+    for folder, says in ((tmp_path, "no config.json in this folder"), (tmp_path / "art", "format None")):
+        proc = subprocess.run([sys.executable, "-m", "clover_export.cli", "serve", str(folder), "--replicas", "2",
+                               "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert proc.returncode == 1 and len(errors) == 1 and says in errors[0], proc.stderr
+        assert "Traceback" not in proc.stderr and "Ray instance" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.slow
 def test_ray_serve_two_cpu_replicas_give_the_same_answers(tiny_dir):
     pytest.importorskip("ray.serve")

@@ -104,15 +104,21 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
 
         check_target(device or ("cuda" if _cuda_available() else "cpu"), dtype)
     if replicas is not None:
-        from clover_export.serve.ray_app import run_replicas
+        from clover_export.serve.ray_app import check_replicas, run_replicas
 
-        run_replicas(opts, replicas, host, port)
+        check_replicas(opts)
+        status = 0
+        try:
+            run_replicas(opts, replicas, host, port)
+        except CloverError as e:  # Ray Serve gave up on the replicas; Ray is shut down
+            click.echo(f"error: {e}", err=True)
+            status = 1
         # Ray is shut down; its C++ threads can abort the interpreter's own teardown (SIGABRT, ray-project/ray
         # issue 37288), so the process ends here, streams flushed
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        os._exit(0)
+        os._exit(status)
     _run_uvicorn(opts, host, port, drain_timeout, log_level)
 
 

@@ -19,10 +19,15 @@ import signal
 import threading
 from typing import Any
 
+from clover_export.artifact.manifest import is_artifact, load_artifact
+from clover_export.backends import default_backend
+from clover_export.core.config import load_config
 from clover_export.core.errors import CloverError
+from clover_export.model.loading import resolve_model_dir
 from clover_export.serve.app import ServeOptions, build_app
 
 DEPLOYMENT_NAME = "CloverServer"
+APP_NAME = "clover"
 PROXY_READY_TIMEOUT_S = 60  # Ray Serve's own limit for serve.start (HTTP_PROXY_TIMEOUT)
 
 
@@ -99,6 +104,31 @@ def app_builder(args: dict[str, Any]):
                       float(num_gpus) if num_gpus is not None else None)
 
 
+def check_replicas(opts: ServeOptions) -> None:
+    """What `run_replicas` needs, checked before Ray starts: Ray Serve installed, and the model's config (a
+    model folder) or manifest (an artifact) readable, so a wrong path is one line rather than replicas that
+    fail behind Ray Serve's "ASGI lifespan startup failed"."""
+    _ray()
+    if (opts.backend or default_backend(opts.model, opts.device)) == "trt":
+        return  # an engine: the replicas' own load checks it
+    if is_artifact(opts.model):
+        load_artifact(opts.model)
+    else:  # a model folder (ort exports it on first use)
+        load_config(resolve_model_dir(opts.model))
+
+
+def _deploy_failure(serve) -> str:
+    """The last line of the failed deployment's status message (a replica's constructor error ends with
+    the exception it raised), or "" when Ray Serve has none."""
+    try:
+        app = serve.status().applications[APP_NAME]
+        messages = [d.message for d in app.deployments.values() if d.message] or [app.message]
+    except Exception:  # no status to read (Ray Serve itself is failing): the caller keeps its own error
+        return ""
+    lines = [ln.strip() for ln in messages[0].splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
 class _StoppedWhileStarting(BaseException):
     """SIGTERM/SIGINT before the deployment is up (a BaseException, so no `except Exception` in Ray keeps it)."""
 
@@ -124,12 +154,18 @@ def run_replicas(opts: ServeOptions, replicas: int, host: str, port: int) -> Non
         signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(deployment(opts, replicas), name="clover", route_prefix="/", blocking=False)
+        try:
+            serve.run(deployment(opts, replicas), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as e:  # Ray Serve gave up on the replicas: say why, from the deployment's status
+            raise CloverError("serve", f"the replicas did not start: {_deploy_failure(serve) or e}",
+                              "the replicas' own logs are in Ray's session folder (by default "
+                              "/tmp/ray/session_latest/logs/serve/)") from None
         starting[0] = False
         print(f"clover-export: {replicas} replica(s) of {opts.model_id} serving on http://{host}:{port}", flush=True)
         stop.wait()
     except _StoppedWhileStarting:
         pass
     finally:
+        starting[0] = False  # a signal while shutting down only sets `stop`
         serve.shutdown()
         ray.shutdown()  # also ends the agents the raylet started (they outlive a process that skips it)
