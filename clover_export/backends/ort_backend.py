@@ -20,7 +20,7 @@ from clover_export.backends.threads import check_threads, flops_per_row, ort_thr
 from clover_export.core import names
 from clover_export.core.errors import CloverError
 from clover_export.model.loading import DEFAULT_MODEL
-from clover_export.model.model import StepResult, allocate_pools
+from clover_export.model.model import StepResult, allocate_pools, with_logit_rows
 
 # torch dtype -> ONNX TensorProto element type
 _ONNX_TYPES = {torch.float32: 1, torch.int32: 6, torch.int64: 7, torch.bool: 9, torch.float16: 10,
@@ -141,8 +141,7 @@ class OrtBackend:
         io.clear_binding_inputs()
         io.clear_binding_outputs()
         B = inputs[names.INPUT_IDS].shape[0]
-        if names.LOGIT_ROWS not in inputs:
-            inputs = {**inputs, names.LOGIT_ROWS: torch.zeros(B, 1, dtype=torch.int32, device=self.device)}
+        inputs = with_logit_rows(inputs)
         keep = []  # converted inputs must outlive the run
         for name, t in inputs.items():
             want = self.input_dtypes.get(name, t.dtype)

@@ -26,7 +26,7 @@ from clover_export.backends.base import StepShape
 from clover_export.core import names
 from clover_export.core.config import config_from_dict, load_config
 from clover_export.core.errors import CloverError
-from clover_export.model.model import StepResult, allocate_pools
+from clover_export.model.model import StepResult, allocate_pools, with_logit_rows
 from clover_export.tensorrt.builder import import_tensorrt
 
 RUNTIME_NOTE = "install TensorRT 10+ (pip install tensorrt) on a CUDA machine, or use --backend ort/torch"
@@ -134,8 +134,7 @@ class TrtBackend:
         ctx, keep = self.context, []
         stream = torch.cuda.current_stream().cuda_stream
         B = inputs[names.INPUT_IDS].shape[0]
-        if names.LOGIT_ROWS not in inputs:
-            inputs = {**inputs, names.LOGIT_ROWS: torch.zeros(B, 1, dtype=torch.int32, device=self.device)}
+        inputs = with_logit_rows(inputs)
         self._select_profile(*inputs[names.INPUT_IDS].shape, stream)
         for name, t in list(inputs.items()) + list(pools.items()):
             want = self.input_dtypes[name]

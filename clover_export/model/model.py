@@ -313,12 +313,18 @@ class CloverModel(nn.Module):
         """Dict form: a StepResult (logits, coreset_size, new pools keyed by past_key_values name).
         Without `logit_rows` in `inputs` the logits of causal row 0 are computed."""
         order = names.pool_names(self.cfg)
-        ids = inputs[names.INPUT_IDS]
-        rows = inputs.get(names.LOGIT_ROWS)
-        if rows is None:
-            rows = torch.zeros(ids.shape[0], 1, dtype=torch.int32, device=ids.device)
+        rows = with_logit_rows(inputs)[names.LOGIT_ROWS]
         out = self(*(inputs[n] for n in names.STEP_SCALARS), rows, *(pools[n] for n in order))
         return StepResult(out[0], out[1], dict(zip(order, out[2:-1])), out[-1])
+
+
+def with_logit_rows(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A step's inputs with `logit_rows`: as given, or [B, 1] zeros (causal row 0 of each batch row), the
+    default of every backend's step when the caller asks for no rows."""
+    if names.LOGIT_ROWS in inputs:
+        return inputs
+    ids = inputs[names.INPUT_IDS]
+    return {**inputs, names.LOGIT_ROWS: torch.zeros(ids.shape[0], 1, dtype=torch.int32, device=ids.device)}
 
 
 def allocate_pools(
