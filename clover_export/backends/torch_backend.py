@@ -108,9 +108,6 @@ class TorchBackend:
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """Causal next-token logits [P, V] of the prompt (for golden comparisons)."""
         P, N = len(prompt_ids), self.block_size
-        pools = self.allocate_pools(1, P)
         ids = torch.tensor([list(prompt_ids) + [0] * N], dtype=torch.int32, device=self.device)
-        one = lambda v: torch.tensor([v], dtype=torch.int32, device=self.device)  # noqa: E731
-        order = list(pools)
-        h, _, _ = self.model.trunk(ids, one(P), one(0), one(0), one(0), *(pools[n] for n in order))
+        h = self.model.causal_hidden(ids, torch.tensor([P], dtype=torch.int32, device=self.device))
         return self.model.logits(h[0, :P])

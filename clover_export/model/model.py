@@ -309,6 +309,17 @@ class CloverModel(nn.Module):
         coreset_size = torch.stack(distinct, dim=1) * (has_block.view(B, 1) != 0).to(torch.int32)
         return h, coreset_size, new_pools
 
+    def causal_hidden(self, input_ids: torch.Tensor, n_causal: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, T, D] of a step of causal rows alone (`has_block` 0) from empty caches: the plain
+        causal forward, row t seeing rows 0..t. input_ids [B, C + block_size] (the block rows are unused)."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        pools = allocate_pools(self.cfg, B, max(T - self.block_size, 1), dtype=self.dtype, device=dev)
+        zeros = torch.zeros(B, dtype=torch.int32, device=dev)
+        h, _, _ = self.trunk(input_ids, n_causal, zeros, torch.arange(B, dtype=torch.int32, device=dev), zeros,
+                             *pools.values())
+        return h
+
     def step(self, inputs: dict[str, torch.Tensor], pools: dict[str, torch.Tensor]):
         """Dict form: a StepResult (logits, coreset_size, new pools keyed by past_key_values name).
         Without `logit_rows` in `inputs` the logits of causal row 0 are computed."""

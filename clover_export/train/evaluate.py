@@ -83,10 +83,8 @@ def generate_ar(model: CloverModel, prompts: list[list[int]], end_ids: list[int]
                 pad_id: int = 0) -> list[list[int]]:
     """Greedy next-token decoding: per forward one token per unfinished prompt from its last causal row.
 
-    Each forward recomputes prompt + response from empty caches (`model.trunk`, has_block 0, block rows
+    Each forward recomputes prompt + response from empty caches (`model.causal_hidden`, block rows
     all mask tokens); a response is cut after its first end token (kept) or at max_new_tokens."""
-    from clover_export.model.model import allocate_pools
-
     N, mask_id = model.block_size, model.cfg.require_mask_token()
     seqs = [list(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
@@ -100,10 +98,7 @@ def generate_ar(model: CloverModel, prompts: list[list[int]], end_ids: list[int]
         for r, i in enumerate(live):
             ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
         n_causal = torch.tensor([len(seqs[i]) for i in live], dtype=torch.int32)
-        zeros = torch.zeros(B, dtype=torch.int32)
-        pools = allocate_pools(model.cfg, B, C, dtype=model.dtype)
-        h, _coreset, _pools = model.trunk(ids, n_causal, zeros, torch.arange(B, dtype=torch.int32), zeros,
-                                          *pools.values())
+        h = model.causal_hidden(ids, n_causal)
         last = h[torch.arange(B), n_causal.long() - 1]
         logits = model.logits(last)
         logits[:, mask_id] = float("-inf")

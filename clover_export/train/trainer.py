@@ -76,12 +76,8 @@ def block_loss(model: CloverModel, batch: Batch) -> torch.Tensor:
 
 def ar_loss(model: CloverModel, batch: CausalBatch) -> torch.Tensor:
     """Mean next-token cross-entropy over the scored causal rows of one causal-only step from empty caches."""
-    B = batch.input_ids.shape[0]
     C = batch.input_ids.shape[1] - model.block_size
-    pools = allocate_pools(model.cfg, B, C, dtype=model.dtype)
-    zeros = torch.zeros(B, dtype=torch.int32)
-    h, _coreset, _pools = model.trunk(batch.input_ids, batch.n_causal, zeros, torch.arange(B, dtype=torch.int32),
-                                      zeros, *pools.values())
+    h = model.causal_hidden(batch.input_ids, batch.n_causal)
     return F.cross_entropy(model.logits(h[:, :C][batch.scored]), batch.targets[batch.scored])
 
 
