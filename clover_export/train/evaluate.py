@@ -119,16 +119,31 @@ class ArScore:
 def score_ar(model: CloverModel, codec: ChatCodec, examples: list[Example], enable_thinking: bool = False,
              batch_size: int = 64, max_new_tokens: int = 32) -> ArScore:
     """`generate_ar` on every example and check its answer (exact match), one token per forward."""
+    results, _ = _answer_all(codec, examples, enable_thinking, batch_size,
+                             lambda prompts, end_ids: generate_ar(model, prompts, end_ids, max_new_tokens,
+                                                                  pad_id=codec.eot))
+    return ArScore(_percent_correct(results), results)
+
+
+def _answer_all(codec: ChatCodec, examples: list[Example], enable_thinking: bool, batch_size: int, decode,
+                token_ids=lambda out: out) -> tuple[list[tuple[Example, str, bool]], list]:
+    """The examples' prompts through `decode(prompt id lists, end ids)` (one output each) `batch_size` at a
+    time; returns (example, answer text without end tokens, correct) per example, and the outputs.
+    `token_ids(output)`: the response ids of an output."""
     end_ids = [codec.im_end, codec.eot]
-    results = []
+    results, outs = [], []
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
-        outs = generate_ar(model, [codec.prompt_ids(ex.prompt, enable_thinking) for ex in chunk], end_ids,
-                           max_new_tokens, pad_id=codec.eot)
-        for ex, ids in zip(chunk, outs):
-            text = codec.tokenizer.decode([t for t in ids if t not in end_ids])
+        for ex, out in zip(chunk, decode([codec.prompt_ids(ex.prompt, enable_thinking) for ex in chunk], end_ids)):
+            text = codec.tokenizer.decode([t for t in token_ids(out) if t not in end_ids])
             results.append((ex, text, is_correct(ex, text)))
-    return ArScore(100.0 * sum(r[2] for r in results) / len(results), results)
+            outs.append(out)
+    return results, outs
+
+
+def _percent_correct(results: list[tuple[Example, str, bool]]) -> float:
+    """Percent of the results judged correct."""
+    return 100.0 * sum(r[2] for r in results) / len(results)
 
 
 @dataclass
@@ -147,20 +162,14 @@ class Score:
 def score(model: CloverModel, codec: ChatCodec, examples: list[Example], threshold: float = 0.95,
           enable_thinking: bool = False, batch_size: int = 64, max_new_tokens: int = 32) -> Score:
     """Decode every example and check its answer (exact match)."""
-    end_ids = [codec.im_end, codec.eot]
-    results, decoded = [], []
-    for s in range(0, len(examples), batch_size):
-        chunk = examples[s:s + batch_size]
-        outs = generate(model, [codec.prompt_ids(ex.prompt, enable_thinking) for ex in chunk], threshold,
-                        end_ids, max_new_tokens)
-        for ex, d in zip(chunk, outs):
-            text = codec.tokenizer.decode([t for t in d.token_ids if t not in end_ids])
-            results.append((ex, text, is_correct(ex, text)))
-            decoded.append(d)
+    results, decoded = _answer_all(codec, examples, enable_thinking, batch_size,
+                                   lambda prompts, end_ids: generate(model, prompts, threshold, end_ids,
+                                                                     max_new_tokens),
+                                   token_ids=lambda d: d.token_ids)
     tokens = sum(len(d.token_ids) for d in decoded)
     steps = sum(d.steps for d in decoded)
     return Score(
-        accuracy=100.0 * sum(r[2] for r in results) / len(results),
+        accuracy=_percent_correct(results),
         tokens_per_forward=tokens / steps,
         forwards_per_block=steps / sum(d.blocks for d in decoded),
         experts_per_block=sum(d.coreset_sum for d in decoded) / steps,
