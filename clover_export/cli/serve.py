@@ -45,6 +45,17 @@ from clover_export.serve.engine import shutting_down
 @click.option("--allowed-origins", default="",
               help="Comma-separated browser origins allowed to call the API (CORS), e.g. "
                    "https://app.example.com; '*' allows any. Default: none.")
+@click.option("--max-header-bytes", type=click.IntRange(min=1024), default=16 << 10, show_default=True,
+              help="Largest request head (request line and headers); larger ones get 400 and the connection closes.")
+@click.option("--max-headers", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Most header fields in one request; more get 431.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a connection has to send a whole request head (from its opening, or from the first "
+                   "byte of a request on a reused connection); then it is closed.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds a request body may pause between two reads; then 408 and the connection closes.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Open client connections; past it a new connection gets 503 with Retry-After and is closed.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds before a request is cancelled.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
@@ -65,7 +76,8 @@ from clover_export.serve.engine import shutting_down
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 def serve(model, backend, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
           request_timeout, drain_timeout, block_size, dtype, device, log_level, api_key, protect_metrics,
-          allowed_origins, prefix_cache, prefix_cache_gb):
+          allowed_origins, prefix_cache, prefix_cache_gb, max_header_bytes, max_headers, header_timeout, body_timeout,
+          max_connections):
     """Serve MODEL over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
     MODEL is a model folder, an exported artifact (ort), an engine (trt), or
@@ -80,6 +92,7 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
           -d '{"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 64}'
     """
     from clover_export.serve.app import ServeOptions
+    from clover_export.serve.connections import ConnectionLimits
 
     if api_key is None:
         api_key = os.environ.get("CLOVER_API_KEY")  # click reads an empty variable as unset
@@ -91,7 +104,10 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
                         api_key=api_key, protect_metrics=protect_metrics,
                         allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
-                        prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb)
+                        prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb,
+                        connections=ConnectionLimits(max_header_bytes=max_header_bytes, max_headers=max_headers,
+                                                     header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                                                     max_connections=max_connections))
     if model not in (None, "tiny") and not Path(model).exists():
         raise CloverError(
             "serve",
@@ -145,6 +161,7 @@ def _run_uvicorn(opts, host: str, port: int, drain_timeout: float, log_level: st
     import uvicorn
 
     from clover_export.serve.app import build_app
+    from clover_export.serve.connections import uvicorn_settings
 
     app = build_app(opts)
 
@@ -168,8 +185,9 @@ def _run_uvicorn(opts, host: str, port: int, drain_timeout: float, log_level: st
             self.should_exit = True
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ENDING_GRACE_S,
-                            server_header=False)
+                            server_header=False, **uvicorn_settings(opts.connections))
     _log_like_uvicorn(log_level)
+    _allow_open_files(opts.connections.max_connections)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
@@ -182,6 +200,26 @@ def _run_uvicorn(opts, host: str, port: int, drain_timeout: float, log_level: st
     if engine is not None and engine.died:
         raise CloverError("serve", f"the engine stopped: {engine.died}",
                           "the server exits 1 so that a supervisor restarts it; the log holds the traceback")
+
+
+FD_RESERVE = 256  # open files beside the client connections: the model's files, the log, the runtime's own
+
+
+def _allow_open_files(max_connections: int) -> None:
+    """Raise the soft open-file limit (`ulimit -n`) so that --max-connections connections fit, up to the hard
+    limit; a warning when they cannot (accepting past the limit fails, and asyncio logs every failure)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    allowed = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (allowed, hard))
+    if allowed < want:
+        logging.getLogger("clover_export.serve").warning(
+            "--max-connections %d needs %d open files, the limit is %d (ulimit -n): lower --max-connections to %d",
+            max_connections, want, allowed, max(1, allowed - FD_RESERVE))
 
 
 def _log_like_uvicorn(log_level: str) -> None:

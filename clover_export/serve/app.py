@@ -23,10 +23,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH
 from clover_export.serve import adapter, protocol
+from clover_export.serve.connections import ConnectionLimits, body_timed_out
 from clover_export.serve.engine import Engine, Event, Full, Job
 from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from clover_export.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -61,6 +63,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     prefix_cache: bool = True  # reuse earlier requests' caches (docs/prefix_cache.md)
     prefix_cache_gb: float | None = None  # snapshot memory of the prefix cache; None: the runtime's default
+    connections: ConnectionLimits = ConnectionLimits()  # request heads, slow clients, open connections
 
     @property
     def model_id(self) -> str:
@@ -101,18 +104,39 @@ def build_app(options: ServeOptions) -> FastAPI:
     _error_handlers(app)
     if options.api_key:
         app.add_middleware(ApiKeyGuard, key=options.api_key, protect_metrics=options.protect_metrics)
-    # outermost, so preflights and 401s carry CORS headers; no origins: preflights get 400, no CORS headers
+    # around the rest, so preflights and 401s carry CORS headers; no origins: preflights get 400, no CORS headers
     app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=["GET", "POST"],
                        allow_headers=["*"], max_age=600)
+    app.add_middleware(HeaderGuard, max_headers=options.connections.max_headers)  # outermost
     return app
+
+
+class HeaderGuard:
+    """At most `max_headers` header fields in a request, else 431 and the connection closes (docs/serving.md,
+    Input limits). Their bytes are bounded before the app sees them (connections.py)."""
+
+    def __init__(self, app, max_headers: int):
+        self.app, self.max_headers = app, max_headers
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
+            err = ApiError(431, f"the request has {len(scope['headers'])} header fields; at most {self.max_headers}",
+                           code="request_header_fields_too_large")
+            await JSONResponse(err.body(), 431, headers={"Connection": "close"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class ApiKeyGuard:
     """`Authorization: Bearer KEY` on /v1/* (and /metrics when protected), else a 401 OpenAI error body.
 
-    A plain ASGI middleware (streams pass through untouched); the key is
-    compared in constant time. /health stays open for load balancers.
+    A plain ASGI middleware (streams pass through untouched). Exactly one
+    `Authorization` header (and at most one `x-api-key`), written `Bearer`
+    (any case, RFC 7235), one space, the key; the key is compared in constant
+    time. /health stays open for load balancers.
     """
+
+    CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")
 
     def __init__(self, app, key: str, protect_metrics: bool = False):
         self.app, self.key, self.protect_metrics = app, key.encode(), protect_metrics
@@ -120,16 +144,23 @@ class ApiKeyGuard:
     def protects(self, path: str) -> bool:
         return path == "/v1" or path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
 
-    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        value = next((v for k, v in headers if k == b"authorization"), b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+    def refusal(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """Why the request may not pass, or None."""
+        given = [(k, v) for k, v in headers if k in self.CREDENTIAL_HEADERS]
+        values = [v for k, v in given if k == b"authorization"]
+        if len(values) > 1 or len(given) - len(values) > 1:
+            return "more than one Authorization (or x-api-key) header: send exactly one 'Authorization: Bearer <key>'"
+        if not values:
+            return "missing API key: send the header 'Authorization: Bearer <key>'"
+        scheme, _, token = values[0].partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key):
+            return None
+        return "incorrect API key provided"
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.protects(scope["path"]) and not self.authorized(scope["headers"]):
-            given = any(k == b"authorization" for k, _ in scope["headers"])
-            err = ApiError(401, "incorrect API key provided" if given else
-                           "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+        why = self.refusal(scope["headers"]) if scope["type"] == "http" and self.protects(scope["path"]) else None
+        if why:
+            err = ApiError(401, why, code="invalid_api_key")
             await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -188,6 +219,15 @@ def _error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, e: HTTPException):
         code = "not_found" if e.status_code == 404 else None
         return reply(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect):
+        """The client left while its body was read (or stalled, answered 408 by connections.py): no server
+        error, nothing reaches the engine; counted like every gone client. Nobody reads the answer."""
+        status = 408 if body_timed_out(request.scope) else 499
+        if request.url.path.startswith("/v1/") and request.method == "POST":
+            request.app.state.metrics.finished(_endpoint(request), status)
+        return Response(status_code=status)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, e: Exception):

@@ -106,7 +106,7 @@ class Engine:
     _inbox: list[Job] = field(default_factory=list)
     _cancels: list[Job] = field(default_factory=list)
     _jobs: dict[int, Job] = field(default_factory=dict)
-    _live: set[Job] = field(default_factory=set)  # submitted, final event not yet posted
+    _live: set[Job] = field(default_factory=set)  # submitted, not cancelled, final event not yet posted
     _stop: bool = False
     _abort: Exception | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
@@ -140,8 +140,15 @@ class Engine:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Leave the batch at the next step (client gone, timeout); no effect once finished."""
+        """Leave the batch at the next step (client gone, timeout); no effect once finished. The request stops
+        counting against `max_pending` at once: the next admission has its place, even before the engine
+        thread has dropped it (docs/serving.md, A full server)."""
         with self._cond:
+            self._live.discard(job)
+            if job in self._inbox:  # not admitted yet: the runtime never sees it
+                self._inbox.remove(job)
+                job.released = True
+                return
             self._cancels.append(job)
             self._cond.notify()
 
