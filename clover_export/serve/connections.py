@@ -109,7 +109,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._follow_request()
+        if self.conn.their_state is h11.SEND_BODY and self.cycle.response_complete:
+            self._restart_body_timer()  # answered before its body was read: the rest gets one deadline in all
+        else:
+            self._follow_request()  # a pipelined request may have begun
 
     # --- the deadlines --------------------------------------------------------------
     def _follow_request(self) -> None:
@@ -124,9 +127,12 @@ class GuardedH11Protocol(H11Protocol):
                 self.body_timer.cancel()
                 self.body_timer = None
         elif self.body_timer is None or not (self.cycle and self.cycle.response_complete):
-            if self.body_timer is not None:
-                self.body_timer.cancel()
-            self.body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+            self._restart_body_timer()
+
+    def _restart_body_timer(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+        self.body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
 
     def _head_timed_out(self) -> None:
         self.head_timer = None
