@@ -5,11 +5,18 @@
 rendered in Jinja's immutable sandbox, since templates come with downloaded
 models: any access to an unsafe attribute (`__class__`, `append`, ...) is
 refused with a CloverError instead of rendering as empty.
+
+Message text is text: a control-token string in a message (`<|im_end|>`,
+`<think>`, any added token) is tokenised as the characters it is, while the
+template's own markers stay tokens (`apply_chat_template`; docs/serving.md,
+Message text and control tokens).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +29,10 @@ from clover_export.core.errors import CloverError
 
 IM_END = "<|im_end|>"
 THINK_END = "</think>"
+# Unicode's private-use characters of the basic plane: stand-ins for the control strings of message text while
+# the template renders (one per distinct string, each absent from every message string and from the template)
+PRIVATE_USE = range(0xE000, 0xF900)
+_PRIVATE_USE_CHAR = re.compile("[\ue000-\uf8ff]")
 
 
 class StrictSandbox(ImmutableSandboxedEnvironment):
@@ -39,6 +50,34 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _strings(value: Any):
+    """Every string in a JSON-like value (dict values and list items, at any depth)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _map_strings(value: Any, fn) -> Any:
+    """A copy of a JSON-like value with `fn` applied to every string in it (dict keys stay)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
+
+def _alternation(words: list[str]) -> re.Pattern | None:
+    """A pattern matching any of `words`, the longest first where several start at one place."""
+    return re.compile("|".join(map(re.escape, sorted(words, key=len, reverse=True)))) if words else None
 
 
 class ChatTokenizer:
@@ -69,6 +108,12 @@ class ChatTokenizer:
                 self.template = env.from_string(self.template_source)
             except TemplateError as e:
                 raise CloverError("tokenizer", f"{model_dir}: chat template does not parse ({e})") from None
+        added = self.tok.get_added_tokens_decoder()
+        self.added_ids = frozenset(added)
+        self._control = _alternation([t.content for t in added.values()])
+        # added tokens the library matches after its normalizer: found in a message's normalized text only
+        self._folded = _alternation([t.content for t in added.values() if t.normalized]) \
+            if self.tok.normalizer is not None else None
 
     def _find_template(self, model_dir: Path) -> str | None:
         jinja = model_dir / "chat_template.jinja"
@@ -119,4 +164,58 @@ class ChatTokenizer:
             raise CloverError("tokenizer", f"chat template failed: {e}") from None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], enable_thinking: bool = True, **extra) -> list[int]:
-        return self.encode(self.render(messages, enable_thinking, **extra))
+        """The chat prompt's token ids, every string of `messages` as text (docs/serving.md, Message text and
+        control tokens). Messages without a control-token string are their rendered text's tokens, as the
+        library encodes it. Otherwise each such string is swapped for a private-use stand-in character while
+        the template renders, so the template's own markers are the only control tokens left in the text;
+        those become their tokens, and the text between them, the strings put back, goes through the
+        tokenizer without its added tokens, where no string is a control token."""
+        stand_ins = self._stand_ins(messages)
+        if not stand_ins:
+            return self.encode(self.render(messages, enable_thinking, **extra))
+        guarded = _map_strings(messages, lambda s: self._control.sub(lambda m: stand_ins[m.group()], s))
+        text = self.render(guarded, enable_thinking, **extra)
+        restore = str.maketrans({c: t for t, c in stand_ins.items()})
+        ids, start = [], 0
+        enc = self.tok.encode(text, add_special_tokens=False)
+        for tid, (a, b) in zip(enc.ids, enc.offsets):
+            if tid in self.added_ids:  # a marker of the template's own text
+                ids += self._text_ids(text[start:a].translate(restore))
+                ids.append(tid)
+                start = b
+        return ids + self._text_ids(text[start:].translate(restore))
+
+    def _stand_ins(self, messages: Any) -> dict[str, str]:
+        """{control string: its stand-in character} for the control strings in the messages' strings."""
+        strings = list(_strings(messages))
+        found = sorted({m.group() for s in strings for m in self._control.finditer(s)}) if self._control else []
+        if self._folded is not None:
+            for s in strings:
+                if len(self._folded.findall(self.tok.normalizer.normalize_str(s))) > len(self._folded.findall(s)):
+                    raise CloverError("tokenizer", f"the message text {s[:40]!r} becomes a control token once "
+                                                   "the tokenizer normalizes it")
+        if not found:
+            return {}
+        taken = {c for s in (self.template_source or "", *strings) for c in _PRIVATE_USE_CHAR.findall(s)}
+        free = (chr(c) for c in PRIVATE_USE if chr(c) not in taken)
+        stand_ins = dict(zip(found, free))
+        if len(stand_ins) < len(found):
+            raise CloverError("tokenizer", "the messages use every private-use character; no stand-in is left "
+                                           "for their control-token strings")
+        return stand_ins
+
+    @functools.cached_property
+    def _without_added_tokens(self):
+        """This tokenizer less its added tokens: normalizer, pre-tokenizer and model only."""
+        from tokenizers import Tokenizer
+
+        spec = json.loads(self.tok.to_str())
+        spec["added_tokens"] = []
+        return Tokenizer.from_str(json.dumps(spec))
+
+    def _text_ids(self, text: str) -> list[int]:
+        """`text` as text: no string in it becomes an added token."""
+        ids = self._without_added_tokens.encode(text, add_special_tokens=False).ids if text else []
+        if self.added_ids.intersection(ids):  # a model vocabulary that spells a control token from plain text
+            raise CloverError("tokenizer", f"the text {text[:40]!r} tokenises to a control token")
+        return ids

@@ -46,6 +46,7 @@ class Submission:
     ids: list[int] | None = None  # completion prompt as token ids
     stream: bool = False
     include_usage: bool = False
+    logit_bias: dict[str, float] | None = None  # checked against the vocabulary by prepare
     decoding: str | None = None  # the decoding mode it runs with (the request's or the model's default), set by prepare
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -56,8 +57,8 @@ class Submission:
 
 
 def _sampling(req: CommonParams) -> dict[str, Any]:
-    if req.logit_bias:
-        raise refuse("logit_bias", "is not supported")
+    if req.stream_options is not None and not req.stream:  # OpenAI and vLLM refuse it too
+        raise refuse("stream_options", "is only allowed when 'stream' is true")
     kw: dict[str, Any] = {k: getattr(req, k) for k in _PASSED}
     if req.temperature is not None:  # OpenAI: 0 is greedy; any other value samples at that temperature
         kw["do_sample"] = req.temperature > 0
@@ -91,7 +92,7 @@ def chat_submission(req: ChatRequest, default_thinking: bool) -> Submission:
         thinking = kw["enable_thinking"] = req.chat_template_kwargs.enable_thinking
     messages = [_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
     return Submission(_drop_none(kw), chat=True, thinking=thinking, messages=messages, stream=bool(req.stream),
-                      include_usage=_include_usage(req))
+                      include_usage=_include_usage(req), logit_bias=req.logit_bias)
 
 
 def _message(m: dict[str, Any], i: int) -> dict[str, Any]:
@@ -112,7 +113,7 @@ def completion_submission(req: CompletionRequest) -> Submission:
         raise refuse(param, "is not supported")
     kw = _sampling(req)
     sub = Submission(_drop_none(kw), chat=False, thinking=False, stream=bool(req.stream),
-                     include_usage=_include_usage(req))
+                     include_usage=_include_usage(req), logit_bias=req.logit_bias)
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -151,6 +152,7 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
     prompt's length against the context before tokenising it, then the token
     count. A refusal is a 400 naming the field.
     """
+    check_logit_bias(sub.logit_bias, gen.cfg.vocab_size)
     try:
         settings = gen.settings(**sub.params)
     except CloverError as e:
@@ -174,6 +176,22 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
     if need > gen.max_context:
         raise _too_long(gen, sub, len(ids), settings.max_new_tokens, need)
     return {"prompt_ids": ids, **sub.params}
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
+    """A 400 naming `logit_bias` unless empty: a key that is no token id of the model (its id and the
+    vocabulary's size named), a bias outside OpenAI's [-100, 100], else that biases are not supported."""
+    for key, value in (bias or {}).items():
+        if not re.fullmatch(r"-?[0-9]{1,20}", key):
+            raise refuse("logit_bias", f"has the key {show(key)}, which is not a token id (keys are token ids "
+                                       f"written as strings, such as \"42\")")
+        if not 0 <= int(key) < vocab_size:
+            raise refuse("logit_bias", f"has the token id {key}, outside the vocabulary of {vocab_size} tokens "
+                                       f"(ids 0 to {vocab_size - 1})")
+        if not -100 <= value <= 100:
+            raise refuse("logit_bias", f"gives token {key} the bias {show(value)}, outside [-100, 100]")
+    if bias:
+        raise refuse("logit_bias", "is not supported (only {} or null)")
 
 
 def _render(gen, messages: list[dict[str, Any]], enable_thinking: bool) -> str:

@@ -106,15 +106,30 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def body_text(body: bytes) -> str:
+    """The body decoded as UTF-8, the only encoding of JSON between systems (RFC 8259 8.1), a leading byte
+    order mark ignored (8.1 allows it); a 400 `invalid_json` for bytes that are not UTF-8. A body in UTF-16
+    or UTF-32 (a byte order mark, or the zero bytes of ASCII text in them, as `json.detect_encoding` finds
+    them) is a 415, as a `charset` other than UTF-8 is, whatever the Content-Type says."""
+    encoding = json.detect_encoding(body)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise ApiError(415, f"the body must be UTF-8 JSON, got {encoding.upper()}", code="unsupported_media_type")
+    try:
+        return body.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+
+
 def parse_json(body: bytes, max_context: int | None = None) -> dict[str, Any]:
-    """The body as a JSON object, or a 400 `invalid_json`: depth past MAX_JSON_DEPTH, NaN/Infinity,
-    numbers that overflow a double, bytes that are not UTF-8; then, given the model's context, its counts
+    """The body as a JSON object: UTF-8 (`body_text`, else 415 or 400), else a 400 `invalid_json`: depth past
+    MAX_JSON_DEPTH, NaN/Infinity, numbers that overflow a double; then, given the model's context, its counts
     (`check_counts`); then a 400 naming the field whose text is not Unicode."""
+    text = body_text(body)
     if json_depth(body) > MAX_JSON_DEPTH:
         raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
-        data = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
