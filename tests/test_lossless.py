@@ -5,7 +5,9 @@
 - `self_spec` equals `ar` token for token whatever the draft: drafts from the model on random weights
   (mostly rejected, so the GDN rollback runs), drafts forced from `ar`'s own continuation with
   hypothesis-chosen corruptions (accepted, partly accepted, rejected at once), alone and in batches mixed
-  with the other modes.
+  with the other modes, with the prefix cache off and on. Every verification accepts exactly the draft's
+  longest prefix equal to `ar`'s continuation, and controls that depend on the response index (min_tokens,
+  the ramps, `</think>` closing thinking) apply at each draft row's own position.
 """
 
 from __future__ import annotations
@@ -80,24 +82,61 @@ def test_ar_equals_a_cache_free_loop_over_transformers(qwen_clover_dir):
     assert sum(len(r.token_ids) for r in got) > 40  # long enough continuations to mean something
 
 
+# --- the greedy acceptance rule, by hand ------------------------------------------------------------
+@pytest.mark.parametrize("draft,ar_tokens,accepted,emitted", [
+    ([], [7], 0, [7]),  # nothing drafted: the AR token of the one logit row
+    ([3, 4, 5], [3, 4, 5, 9], 3, [3, 4, 5, 9]),  # all match: the whole draft, then the AR token after it
+    ([3], [3, 1], 1, [3, 1]),
+    ([3, 4, 5], [8, 4, 5, 9], 0, [8]),  # the first token differs: only the AR token at row 0
+    ([3, 4, 5], [3, 4, 6, 9], 2, [3, 4, 6]),  # the last one differs: two kept, then row 2's AR token
+    ([3, 3, 3], [3, 2, 3, 3], 1, [3, 2]),  # later matches after a mismatch do not count
+])
+def test_accept_greedy_keeps_the_longest_matching_prefix_then_the_ar_token(draft, ar_tokens, accepted, emitted):
+    from clover_export.runtime.speculative import accept_greedy
+
+    m, bonus = accept_greedy(draft, ar_tokens)
+    assert (m, draft[:m] + [bonus]) == (accepted, emitted)
+
+
 # --- self_spec against ar -------------------------------------------------------------------------
+RANDOM_LOAD = dict(backend="torch", dtype="fp32", max_slots=4)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["cache-off", "cache-on"])
+def random_gen(request, random_tiny_dir):
+    """The random-weight model with the prefix cache off and on (then self_spec resumes from ar's caches)."""
+    return Generator.load(random_tiny_dir, prefix_cache=request.param, **RANDOM_LOAD)
+
+
 @pytest.fixture(scope="module")
-def random_gen(random_tiny_dir):
-    return Generator.load(random_tiny_dir, "torch", dtype="fp32", max_slots=4, prefix_cache=False)
+def random_ar(random_tiny_dir):
+    """`ar` on the random-weight model, the prefix cache off, one request at a time (memoised): the reference
+    every self_spec run must equal."""
+    gen, memo = Generator.load(random_tiny_dir, prefix_cache=False, **RANDOM_LOAD), {}
+
+    def tokens(enable_thinking: bool = False, **params) -> list[list[int]]:
+        key = json.dumps([enable_thinking, params], sort_keys=True)
+        if key not in memo:
+            memo[key] = [gen.generate(p, decoding="ar", enable_thinking=enable_thinking, **params).token_ids
+                         for p in PROMPTS]
+        return memo[key]
+
+    return tokens
 
 
-def run_modes(gen, modes, requests=None, **params):
-    handles = [gen.submit(p, decoding=m, enable_thinking=False, **params) for p, m in zip(PROMPTS, modes)]
+def run_modes(gen, modes, requests=None, enable_thinking=False, **params):
+    handles = [gen.submit(p, decoding=m, enable_thinking=enable_thinking, **params) for p, m in zip(PROMPTS, modes)]
     if requests is not None:
         requests += [h.request for h in handles]
     return gen.wait(handles)
 
 
 @pytest.mark.parametrize("draft_threshold", [0.0, 0.3])
-def test_self_spec_equals_ar_on_random_weights_alone_and_mixed(random_gen, draft_threshold):
+def test_self_spec_equals_ar_on_random_weights_alone_and_mixed(random_gen, random_ar, draft_threshold):
     """Random weights draft badly: most drafts are rejected and the slot's GDN states are rolled back."""
     params = dict(max_new_tokens=40, draft_threshold=draft_threshold, **CONTROLS)
     ar = run_modes(random_gen, ["ar"] * 4, **params)
+    assert token_ids(ar) == random_ar(**params)
     handles = [random_gen.submit(p, decoding="self_spec", enable_thinking=False, **params) for p in PROMPTS]
     alone = [h.wait() for h in handles]  # one at a time
     reqs = []
@@ -111,13 +150,28 @@ def test_self_spec_equals_ar_on_random_weights_alone_and_mixed(random_gen, draft
         assert drafted > accepted + 20
 
 
+def common_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class OracleDrafts:
     """Replaces self_spec's drafts by the `ar` continuation, corrupted at chosen positions: any draft must
-    give `ar`'s output; a correct one must be accepted whole."""
+    give `ar`'s output. Each verification must accept exactly the draft's longest prefix equal to `ar`'s
+    continuation (a correct draft: all of it); `checks` holds (drafted, expected, accepted) of the
+    verifications whose drafted positions all lie within `ar`'s answer."""
 
-    def __init__(self, truth: dict[int, list[int]], length: int, corrupt: float, rng: random.Random):
+    def __init__(self, truth: dict[tuple, list[int]], length: int, corrupt: float, rng: random.Random):
         self.truth, self.length, self.corrupt, self.rng = truth, length, corrupt, rng
         self.real_run = Runner.run
+        self.checks: list[tuple[int, int, int]] = []
+
+    def expected_acceptance(self, plan) -> list[tuple[int, int] | None]:
+        out = []
+        for req in plan.requests:
+            truth, at = self.truth[tuple(req.prompt_ids)], len(req.response)
+            within = req.decoding == "self_spec" and req.draft and at + len(req.draft) <= len(truth)
+            out.append((len(req.draft), common_length(req.draft, truth[at:])) if within else None)
+        return out
 
     def __call__(self, runner, plan):
         from clover_export.runtime.request import Phase
@@ -125,11 +179,13 @@ class OracleDrafts:
         # a lossless step's causal rows (pending tokens + draft) never exceed block_size (docs/decoding.md)
         for req, n in zip(plan.requests, plan.n_causal):
             assert req.phase is Phase.PREFILL or n <= plan.block_size, (req.pending, req.draft)
+        expected = self.expected_acceptance(plan)
         blocks, coreset, verdicts = self.real_run(runner, plan)
+        self.checks += [(*e, v.accepted) for e, v in zip(expected, verdicts) if e is not None]
         for req, v in zip(plan.requests, verdicts):
             if v is None or req.decoding != "self_spec":
                 continue
-            truth = self.truth[tuple(req.prompt_ids)]
+            truth = self.truth[tuple(req.prompt_ids)] + [0] * 64
             start = len(req.response) + v.accepted + 1
             draft = list(truth[start:start + self.length])
             for i in range(len(draft)):
@@ -139,22 +195,74 @@ class OracleDrafts:
         return blocks, coreset, verdicts
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**16), length=st.integers(0, 31), corrupt=st.sampled_from([0.0, 0.05, 0.3, 1.0]))
-def test_self_spec_equals_ar_for_any_draft(random_gen, monkeypatch, seed, length, corrupt):
-    params = dict(max_new_tokens=40, **CONTROLS)
-    ar = run_modes(random_gen, ["ar"] * 4, **params)
-    prompts = [random_gen.prompt_ids(p, enable_thinking=False) for p in PROMPTS]
-    truth = {tuple(ids): r.token_ids + [0] * 64 for ids, r in zip(prompts, ar)}
-    oracle = OracleDrafts(truth, length, corrupt, random.Random(seed))
+def with_oracle_drafts(gen, ar, monkeypatch, length, corrupt=0.0, seed=0, enable_thinking=False, **params):
+    """self_spec (three rows) beside ar (one row), every draft replaced by OracleDrafts: (results, requests,
+    oracle)."""
+    prompts = [gen.prompt_ids(p, enable_thinking=enable_thinking) for p in PROMPTS]
+    oracle = OracleDrafts({tuple(ids): t for ids, t in zip(prompts, ar)}, length, corrupt, random.Random(seed))
+    reqs = []
     with monkeypatch.context() as m:
         m.setattr(Runner, "run", lambda runner, plan: oracle(runner, plan))
-        spec = run_modes(random_gen, ["self_spec", "ar", "self_spec", "self_spec"], **params)
-    assert token_ids(spec) == token_ids(ar)
-    if corrupt == 0.0 and length >= 4:  # correct drafts are accepted whole: about length + 1 tokens a forward
-        for r in (spec[0], spec[2], spec[3]):
-            if len(r.token_ids) > 2 * (length + 1):
-                assert r.tokens_per_forward > min(length, 8) / 2, r
+        spec = run_modes(gen, ["self_spec", "ar", "self_spec", "self_spec"], reqs, enable_thinking, **params)
+    return spec, reqs, oracle
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), length=st.integers(0, 31), corrupt=st.sampled_from([0.0, 0.05, 0.3, 1.0]))
+def test_self_spec_equals_ar_for_any_draft(random_gen, random_ar, monkeypatch, seed, length, corrupt):
+    params = dict(max_new_tokens=40, **CONTROLS)
+    ar = random_ar(**params)
+    spec, _, oracle = with_oracle_drafts(random_gen, ar, monkeypatch, length, corrupt, seed, **params)
+    assert token_ids(spec) == ar
+    assert all(want == got for _, want, got in oracle.checks), oracle.checks
+    if corrupt == 0.0:
+        assert all(drafted == got for drafted, _, got in oracle.checks), oracle.checks
+
+
+def test_correct_drafts_are_accepted_whole(random_gen, random_ar, monkeypatch):
+    """Drafts of 7 tokens equal to ar's continuation: every drafted token is accepted, so after the first
+    token (the last prompt chunk's forward) each forward appends 8 tokens."""
+    params, L = dict(max_new_tokens=40, **CONTROLS), 7
+    ar = random_ar(**params)
+    spec, reqs, oracle = with_oracle_drafts(random_gen, ar, monkeypatch, L, **params)
+    assert token_ids(spec) == ar
+    assert oracle.checks and all(drafted == want == got for drafted, want, got in oracle.checks), oracle.checks
+    for r, req in zip(spec, reqs):
+        if req.decoding == "self_spec":
+            assert req.accepted_tokens == req.drafted_tokens > 0
+            assert r.forwards == 1 + math.ceil((len(r.token_ids) - 1) / (L + 1)), r
+
+
+# the response index of every draft row (DECODING.md 3, 5): min_tokens with the length penalty pushing end tokens
+# from n = 1 on ends the answer at exactly n = MIN_TOKENS; the think-end ramp puts `</think>` at n = THINK_AT, and
+# the rows after it in the same draft see thinking closed. Neither position starts a step's rows (7-token drafts:
+# rows 0 sit at n = 1, 9, 17, ...).
+MIN_TOKENS, THINK_AT = 13, 10
+POSITIONAL = {
+    "min_tokens": dict(enable_thinking=False, min_tokens=MIN_TOKENS, dllm_length_penalty=100.0,
+                       dllm_length_penalty_start=0, dllm_length_penalty_window=1),
+    "think_end": dict(enable_thinking=True, dllm_think_end_bias=100.0, dllm_think_end_start=THINK_AT - 1,
+                      dllm_think_end_window=1),
+}
+
+
+@pytest.mark.parametrize("case", list(POSITIONAL))
+def test_position_dependent_controls_apply_at_each_draft_row(random_gen, random_ar, monkeypatch, case):
+    """Accepted drafts carry the positions where min_tokens lifts and `</think>` is pushed: self_spec equals
+    ar token for token only if each draft row's controls use its own response index and the draft's
+    `</think>` closes thinking for the rows after it."""
+    params = dict(max_new_tokens=40, **CONTROLS, **POSITIONAL[case])
+    ar = random_ar(**params)
+    ends = set(random_gen.defaults.eos_token_id) | set(random_gen.extra_end_ids)
+    think_end = random_gen.tokenizer.think_end_id
+    for t in ar:  # the controls decide these positions (hand-set), whatever the weights
+        if case == "min_tokens":
+            assert len(t) == MIN_TOKENS + 1 and t[-1] in ends and not ends & set(t[:-1]), t
+        else:
+            assert t.index(think_end) == THINK_AT and len(t) > THINK_AT + 8, t
+    spec, reqs, oracle = with_oracle_drafts(random_gen, ar, monkeypatch, 7, **params)
+    assert token_ids(spec) == ar
+    assert oracle.checks and all(drafted == want == got for drafted, want, got in oracle.checks), oracle.checks
 
 
 def test_self_spec_equals_ar_on_the_trained_default(tiny_dir):
@@ -193,21 +301,20 @@ P = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.1, 0.2, 0.3, 
 Q = torch.tensor([[0.05, 0.05, 0.3, 0.3, 0.1, 0.2], [0.4, 0.2, 0.1, 0.1, 0.1, 0.1]])  # far from P
 
 
-def emitted_counts(accept, draws: int = 20000) -> tuple[list[int], list[int]]:
-    """Counts of the first and second emitted token over seeded draws: a 2-token draft drawn from Q, then
-    `accept(P, Q, draft, generator)` -> (accepted, bonus)."""
+def emitted_counts(accept, draws: int = 20000) -> tuple[list[int], list[int], list[int]]:
+    """Counts of the first, second and third emitted token over seeded draws: a 2-token draft drawn from Q,
+    then `accept(P, Q, draft, generator)` -> (accepted, bonus). A third token is the bonus after a fully
+    accepted draft."""
     from clover_export.runtime.selector import draw
 
-    first, second = [0] * 6, [0] * 6
+    counts = [[0] * 6 for _ in range(3)]
     gen = torch.Generator().manual_seed(0)
     for _ in range(draws):
         draft = draw(Q, gen)
         m, bonus = accept(P, Q, draft, gen)
-        out = draft[:int(m)].tolist() + [int(bonus)]
-        first[out[0]] += 1
-        if len(out) > 1:
-            second[out[1]] += 1
-    return first, second
+        for i, t in enumerate(draft[:int(m)].tolist() + [int(bonus)]):
+            counts[i][t] += 1
+    return counts[0], counts[1], counts[2]
 
 
 def accept_every_draft_token(p, q, draft, generator):
@@ -217,57 +324,105 @@ def accept_every_draft_token(p, q, draft, generator):
     return torch.tensor(draft.shape[0]), draw(p[draft.shape[0]:], generator)[0]
 
 
-def test_speculative_sampling_rule_gives_the_target_distribution():
-    """Draft tokens drawn from Q and kept with probability min(1, p/q), the residual drawn on rejection: the
-    first two emitted tokens follow P exactly (20,000 seeded draws against the hand-set target; P's second
-    row does not depend on the first token, which a target may do). The fit rejects Q itself, and rejects
-    the mutation that accepts every draft token."""
+def bonus_drawn_from_q(p, q, draft, generator):
+    """The mutation the bonus check must catch: after a fully accepted draft, the bonus drawn from the last
+    draft position's q instead of p."""
+    from clover_export.runtime.selector import draw
     from clover_export.runtime.speculative import accept_sampled
 
-    first, second = emitted_counts(accept_sampled)
+    m, bonus = accept_sampled(p, q, draft, generator)
+    if draft.shape[0] and int(m) == draft.shape[0]:
+        bonus = draw(q[-1], generator)
+    return m, bonus
+
+
+def test_speculative_sampling_rule_gives_the_target_distribution():
+    """Draft tokens drawn from Q and kept with probability min(1, p/q), the residual drawn on rejection, the
+    bonus after a fully accepted draft drawn from p: the three emitted tokens follow P exactly (20,000
+    seeded draws against the hand-set target, the third over the ~4,000 fully accepted drafts:
+    sum min(P, Q) = 0.4 and 0.5 a row; P's rows do not depend on the tokens before, which a target may do).
+    The fit rejects Q itself, the mutation that accepts every draft token, and a bonus drawn from q."""
+    from clover_export.runtime.speculative import accept_sampled
+
+    first, second, third = emitted_counts(accept_sampled)
     assert _chi2_fits(first, P[0].tolist()) > 1e-3
     assert _chi2_fits(second, P[1].tolist()) > 1e-3
+    assert 3700 < sum(third) < 4300  # 20,000 x 0.4 x 0.5 fully accepted
+    assert _chi2_fits(third, P[2].tolist()) > 1e-3
     assert _chi2_fits(first, Q[0].tolist()) < 1e-6
-    mutated, _ = emitted_counts(accept_every_draft_token)
+    mutated, _, _ = emitted_counts(accept_every_draft_token)
     assert _chi2_fits(mutated, P[0].tolist()) < 1e-6
+    _, _, from_q = emitted_counts(bonus_drawn_from_q)
+    assert _chi2_fits(from_q, P[2].tolist()) < 1e-6
+
+
+SPEC_SAMPLING = dict(temperature=0.7, top_k=40, top_p=1.0, dllm_length_penalty=0.0, dllm_think_end_bias=0.0,
+                     **CONTROLS)
+
+
+def block_q_by_hand(logits: torch.Tensor, seen: list[int], mask_id: int) -> torch.Tensor:
+    """q of a self_spec sampling row written out from its raw block logits [N, V] (float64): mask token
+    excluded, DECODING.md 3's count penalties with `seen` (the response plus the draft) counted (the ramps are
+    off in SPEC_SAMPLING), temperature, top-k (ties: the lower id), renormalised (DECODING.md 2.4)."""
+    s = SPEC_SAMPLING
+    l = logits.double().clone()
+    l[:, mask_id] = -math.inf
+    for t, c in Counter(seen).items():
+        v = l[:, t]
+        l[:, t] = torch.where(v > 0, v / s["repetition_penalty"], v * s["repetition_penalty"]) \
+            - s["frequency_penalty"] * c - s["presence_penalty"]
+    l = l / s["temperature"]
+    top = l.argsort(dim=1, descending=True, stable=True)[:, :s["top_k"]]
+    kept = torch.full_like(l, -math.inf).scatter(1, top, l.gather(1, top))
+    return torch.softmax(kept, dim=1)
 
 
 def test_a_sampled_draft_is_verified_against_the_distribution_it_was_drawn_from(tiny_dir, monkeypatch):
     """The q handed to the acceptance rule is the block distribution of the step that drew the draft (rows
-    1..len(draft)), not the one the verifying step draws its next draft from, and the draft's tokens are
-    the ones drawn there."""
+    1..len(draft)), recomputed here from that step's raw block logits (the runner's observer) with the
+    controls and sampling transforms written out, and the draft's tokens are the ones drawn there."""
     import clover_export.runtime.runner as runner_module
+    from clover_export.train import tasks
 
-    gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=2)
-    kept, checked = {}, []
-    real_drafts, real_accept = Runner._self_spec_drafts, runner_module.accept_sampled
+    gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=8)
+    by_hand, kept, checked = {}, {}, []
+    real_drafts, real_accept, real_verify = Runner._self_spec_drafts, runner_module.accept_sampled, Runner._verify
+
+    def observe(plan, logits):  # the step's raw block logits, before any control
+        for r, req in enumerate(plan.requests):
+            if req.decoding == "self_spec" and plan.has_block[r]:
+                by_hand[req.request_id] = block_q_by_hand(logits[r], req.response + req.draft, gen.mask_id)
 
     def drafts(runner, plan, rows, logits, params, tok, conf):
         out = real_drafts(runner, plan, rows, logits, params, tok, conf)
-        for r in rows:
-            kept[plan.requests[r].request_id] = (runner.draft_q[plan.requests[r].slot].clone(), tok[r, 1:].tolist())
+        for r in rows:  # after this step's verification: what the next step verifies
+            req = plan.requests[r]
+            kept[req.request_id] = (by_hand[req.request_id][1:], tok[r, 1:].tolist())
         return out
 
     def accept(p, q, draft, generator):
-        req = current[0]
+        req = current.pop(0)  # _verify calls it for its sampling rows in row order
         if len(draft):
             q_then, tokens_then = kept[req.request_id]
-            checked.append(torch.equal(q, q_then[:len(draft)]) and draft.tolist() == tokens_then[:len(draft)])
+            D = len(draft)
+            checked.append((torch.allclose(q.double(), q_then[:D], rtol=1e-4, atol=1e-6),
+                            draft.tolist() == tokens_then[:D]))
         return real_accept(p, q, draft, generator)
 
     current = []
-    real_verify = Runner._verify
 
     def verify(runner, plan, rows, causal_logits, controls, params):
         current[:] = [plan.requests[r] for r in rows if plan.requests[r].params.do_sample]
         return real_verify(runner, plan, rows, causal_logits, controls, params)
 
+    gen.runner.observer = observe
     monkeypatch.setattr(Runner, "_self_spec_drafts", drafts)
     monkeypatch.setattr(Runner, "_verify", verify)
     monkeypatch.setattr(runner_module, "accept_sampled", accept)
-    gen.generate("Sort: 8 1 6 2 9 3", decoding="self_spec", do_sample=True, seed=3, max_new_tokens=24,
-                 enable_thinking=False, draft_threshold=0.0)
-    assert checked and all(checked), checked
+    gen.wait([gen.submit(ex.prompt, decoding="self_spec", do_sample=True, seed=i, max_new_tokens=32,
+                         enable_thinking=False, draft_threshold=0.0, **SPEC_SAMPLING)
+              for i, ex in enumerate(tasks.heldout_examples(8))])  # short answers: about one draft each
+    assert len(checked) >= 4 and all(same_q and same_tokens for same_q, same_tokens in checked), checked
 
 
 def sampled_continuations(gen, mode: str, runs: int, **params) -> Counter:

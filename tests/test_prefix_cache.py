@@ -263,6 +263,40 @@ def test_eviction_keeps_answers_and_frees_slots_for_new_requests(backend, refere
     assert [r.token_ids for r in gen.wait(handles)] == [reference.tokens(p, max_new_tokens=20) for p in batch]
 
 
+def distinct_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    """Token-id prompts with pairwise different first tokens (no common prefix), no special token."""
+    rng = random.Random(seed)
+    return [[first] + [rng.randrange(10, 400) for _ in range(length - 1)]
+            for first in rng.sample(range(10, 400), count)]
+
+
+def test_a_new_request_evicts_the_least_recently_used_parked_sequence(backend):
+    """Two slots: A then B finish (parked), C evicts A's slot (the older one); B's prompt again takes its
+    slot over whole, A's finds nothing. Hand-computed reuse: [0, 0, 0, len(B), 0]."""
+    gen = make(backend, max_slots=2)
+    a, b, c = distinct_prompts(3, 20, seed=5)
+    cached = [gen.generate(prompt_ids=p, max_new_tokens=4).cached_tokens for p in (a, b, c, b, a)]
+    assert cached == [0, 0, 0, len(b), 0]
+
+
+def test_a_common_prefix_ending_inside_a_prefill_chunk_becomes_a_point(backend, reference):
+    """Prefill chunks of 64, prompts of 150 sharing their first 110 tokens (inside the second chunk, 46 tokens
+    past the chunk end at 64: more than a block).
+    - One after another: Y resumes at X's chunk end (64) and cuts its own prefill at 110, so Z resumes at 110.
+    - Together: Y waits for X, whose prefill is cut at 110, and resumes there.
+    Hand-computed reuse: [0, 64, 110] and [0, 110]."""
+    gen = make(backend, max_slots=3, prefill_chunk=64)
+    assert 110 - 64 >= gen.block_size
+    shared = distinct_prompts(1, 110, seed=6)[0]
+    x, y, z = [shared + tail for tail in distinct_prompts(3, 40, seed=7)]
+    kw = dict(max_new_tokens=4)
+    assert [gen.generate(prompt_ids=p, **kw).cached_tokens for p in (x, y, z)] == [0, 64, 110]
+    gen = make(backend, max_slots=3, prefill_chunk=64)
+    together = gen.wait([gen.submit(prompt_ids=p, **kw) for p in (x, y)])
+    assert [r.cached_tokens for r in together] == [0, 110]
+    assert [r.token_ids for r in together] == [reference.tokens(p, **kw) for p in (x, y)]
+
+
 def test_snapshot_memory_never_exceeds_the_budget(backend):
     gen = make(backend, max_slots=3, prefill_chunk=8)
     budget = 5 * snapshot_bytes(gen)

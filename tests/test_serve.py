@@ -526,6 +526,7 @@ def test_models_and_metrics(server, client):
 
     before = figures()
     out = client.completions.create(model=MODEL_ID, prompt="What is 2 + 3?", max_tokens=40)
+    check_error(post(server, "/v1/chat/completions", {**CHAT, "threshold": 1.5}), 400, "threshold")
     after = figures()
 
     def delta(name, labels=None):
@@ -543,7 +544,7 @@ def test_models_and_metrics(server, client):
         assert delta(name) == 1
     assert delta("clover_step_seconds_count") >= out.model_extra["clover"]["denoise_steps"]
     assert "clover_queue_depth{}" in after and "clover_running_rows{}" in after
-    assert after.get('clover_requests_total{"endpoint": "/v1/chat/completions", "status": "400"}', 0) >= 1
+    assert delta("clover_requests_total", {"endpoint": "/v1/chat/completions", "status": "400"}) == 1
     # low_confidence by default: counted by its mode, nothing drafted to observe
     assert delta("clover_decoding_requests_total", {"decoding": "low_confidence"}) == 1
     assert delta("clover_decoding_requests_total", {"decoding": "self_spec"}) == 0
@@ -557,7 +558,13 @@ def test_models_and_metrics(server, client):
     assert delta("clover_accepted_per_forward_count") == 1
     assert delta("clover_accepted_per_forward_sum") == pytest.approx(out.model_extra["clover"]["accepted_per_forward"])
     assert delta("clover_tokens_per_forward_sum") == pytest.approx(out.model_extra["clover"]["tokens_per_forward"])
-    # the mode label holds the validated modes only
+    # an ar request, and one whose mode is refused (400): the mode label holds the validated modes only
+    before = after
+    client.completions.create(model=MODEL_ID, prompt="What is 2 + 3?", max_tokens=8, extra_body={"decoding": "ar"})
+    check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "decoding": "fast"}), 400,
+                "decoding")
+    after = figures()
+    assert delta("clover_decoding_requests_total", {"decoding": "ar"}) == 1
     modes = {json.loads(k[len("clover_decoding_requests_total"):])["decoding"] for k in after
              if k.startswith("clover_decoding_requests_total{")}
     assert modes == {"low_confidence", "ar", "self_spec"}
