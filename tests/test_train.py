@@ -280,9 +280,10 @@ def test_causal_rows_agree_with_the_step_and_the_greedy_loop(codec, tiny_dir):
     from clover_export.model.model import allocate_pools
 
     model = load_for_eval(tiny_dir)
-    prompts = [codec.prompt_ids(ex.prompt, False) for ex in tasks.heldout_examples(3)]
+    long = [ex for ex in tasks.heldout_examples() if ex.items >= 4][:3]
+    prompts = [codec.prompt_ids(ex.prompt, False) for ex in long]
     outs = generate_ar(model, prompts, [codec.im_end, codec.eot], max_new_tokens=6, pad_id=codec.eot)
-    assert all(len(o) == 6 for o in outs)  # the answers are longer than 6 tokens
+    assert all(len(o) == 6 for o in outs)  # the answers (4+ digits) are longer than 6 tokens
     batch = make_causal_batch(prompts, outs, codec.im_end, codec.mask, codec.eot, model.block_size)
     B, C = batch.targets.shape
     rows = torch.stack([r.nonzero().flatten() for r in batch.scored]).to(torch.int32)  # 6 + 1 (the end) each
@@ -443,6 +444,19 @@ def test_init_from_takes_a_trained_folder_of_the_shipped_architecture(tmp_path):
     (other / "config.json").write_text(json.dumps(tiny_config_dict(**SMALL)))
     with pytest.raises(CloverError, match="not the trained architecture"):
         initial_model(other, tiny_config_dict())
+
+
+def test_tiny_version_names_the_shipped_weights():
+    """ensure_tiny keeps its copy of the shipped folder in the user's cache under TINY_VERSION: other weights
+    shipped under the same version would leave earlier installs on their old copy. Each version's weights."""
+    import hashlib
+
+    from clover_export.tiny import TINY_VERSION
+
+    weights = {3: "70de262e51eb21142e37d31eafe8eb9e5b605b4000921e780c1771f7717def0d",  # lists of 3-8 digits
+               4: "a60089d31a080a05a3682e1f4f8aefd70349bb64eb06fe8d3821229d96da2676"}  # 1-8 digits
+    shipped = (TRAINED_DIR / "model-00001-of-00001.safetensors").read_bytes()
+    assert hashlib.sha256(shipped).hexdigest() == weights.get(TINY_VERSION), "bump TINY_VERSION with the weights"
 
 
 def test_embedded_default_is_the_shipped_folder(tiny_dir):
