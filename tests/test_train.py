@@ -13,7 +13,15 @@ from clover_export.tiny import TRAINED_DIR, tiny_config_dict
 from clover_export.tiny import tokenizer_assets as tok
 from clover_export.train import tasks
 from clover_export.train.data import ChatCodec, encode, make_batch, make_causal_batch
-from clover_export.train.evaluate import NO_CONTROLS, generate, generate_ar, load_for_eval, score, score_ar
+from clover_export.train.evaluate import (
+    NO_CONTROLS,
+    generate,
+    generate_ar,
+    load_for_eval,
+    percent_correct_by_items,
+    score,
+    score_ar,
+)
 from clover_export.train.trainer import Batches, TrainSettings, ar_loss, block_loss, new_model, train
 
 SMALL = dict(hidden_size=64, num_hidden_layers=4,
@@ -101,8 +109,61 @@ def test_heldout_never_trained_on():
     stream = tasks.training_stream(0, held)
     assert not any(next(stream).prompt in held for _ in range(5000))
     # and the exclusion is what keeps them apart: the raw sampler does produce held-out prompts
-    raw = tasks.training_stream(tasks.HELDOUT_SEED, set())
+    raw = tasks.training_stream(0, set())
     assert any(next(raw).prompt in held for _ in range(50))
+
+
+def every_prompt(n: int) -> set[str]:
+    """All prompts of both tasks over lists of n digits (10 ** n each)."""
+    lists = [" ".join(f"{v:0{n}d}") for v in range(10 ** n)]
+    return {f"{task}: {listed}" for task in ("Sort", "Reverse") for listed in lists}
+
+
+def test_every_length_is_trained_and_held_out():
+    """Lists of 1 to 8 digits, each length both in the training stream and in the held-out set. Of the 10
+    one-digit and 100 two-digit prompts per task, 3 and 15 are held out and all the others are trained on."""
+    held = tasks.heldout_examples()
+    by_length = {n: {ex.prompt for ex in held if ex.items == n} for n in range(1, 9)}
+    assert all(len(ex.prompt.split(":")[1].split()) == ex.items for ex in held)
+    assert [len(by_length[n]) for n in (1, 2)] == [2 * 3, 2 * 15]
+    assert all(len(by_length[n]) >= 20 for n in range(3, 9)), {n: len(v) for n, v in by_length.items()}
+    assert len(held) == len({ex.prompt for ex in held})
+    stream = tasks.training_stream(0, {ex.prompt for ex in held})
+    trained = {n: set() for n in range(1, 9)}
+    for _ in range(40_000):
+        ex = next(stream)
+        trained[len(ex.prompt.split(":")[1].split())].add(ex.prompt)
+    assert trained[1] == every_prompt(1) - by_length[1] and len(trained[1]) == 2 * 7
+    assert trained[2] == every_prompt(2) - by_length[2] and len(trained[2]) == 2 * 85
+    assert all(trained[n] for n in range(1, 9))
+    # any prefix of the held-out set takes the lengths in turn: the first 48 (the training evals) cover all
+    assert sorted(ex.items for ex in tasks.heldout_examples(48)) == sorted(list(range(1, 9)) * 6)
+
+
+def test_stream_of_the_first_stages_is_reproducible():
+    """`--min-items 3` is the stream the embedded default's first two stages were trained on (before lists
+    of 1 and 2 digits were added): the same 3-8 digit held-out prompts (the first 200 distinct ones of
+    their seed) and the same training prompts. The hashes were taken from that version of tasks.py."""
+    import hashlib
+    import itertools
+
+    def digest(prompts):
+        return hashlib.sha256("\n".join(prompts).encode()).hexdigest()
+
+    held = tasks.heldout_examples()
+    long = [ex.prompt for ex in held if ex.items >= 3]
+    assert len(long) == 200
+    assert digest(sorted(long)) == "8f89cdb21226485b88ca3c38dec9207a2361bd44a6c3bb516df369019c363de8"
+    stream = tasks.training_stream(0, {ex.prompt for ex in held}, min_items=3)
+    first = [ex.prompt for ex in itertools.islice(stream, 5000)]
+    assert digest(first) == "f3f8ef73ae45e84cfad308563f467c665c9dbe92f700beb0e9be5a6dbecf4fbc"
+
+
+def test_accuracy_per_length():
+    """percent_correct_by_items: the share judged correct among the examples of each list length."""
+    ex = [tasks.make_example("sort", d) for d in ([2, 1], [5, 2], [3], [9, 9, 1], [1, 2])]
+    results = [(e, "", ok) for e, ok in zip(ex, [True, False, True, False, True])]
+    assert percent_correct_by_items(results) == {1: 100.0, 2: pytest.approx(200 / 3), 3: 0.0}
 
 
 def test_answers_checked_exactly():
@@ -219,9 +280,10 @@ def test_causal_rows_agree_with_the_step_and_the_greedy_loop(codec, tiny_dir):
     from clover_export.model.model import allocate_pools
 
     model = load_for_eval(tiny_dir)
-    prompts = [codec.prompt_ids(ex.prompt, False) for ex in tasks.heldout_examples(3)]
+    long = [ex for ex in tasks.heldout_examples() if ex.items >= 4][:3]
+    prompts = [codec.prompt_ids(ex.prompt, False) for ex in long]
     outs = generate_ar(model, prompts, [codec.im_end, codec.eot], max_new_tokens=6, pad_id=codec.eot)
-    assert all(len(o) == 6 for o in outs)  # the answers are longer than 6 tokens
+    assert all(len(o) == 6 for o in outs)  # the answers (4+ digits) are longer than 6 tokens
     batch = make_causal_batch(prompts, outs, codec.im_end, codec.mask, codec.eot, model.block_size)
     B, C = batch.targets.shape
     rows = torch.stack([r.nonzero().flatten() for r in batch.scored]).to(torch.int32)  # 6 + 1 (the end) each
@@ -281,7 +343,7 @@ def test_shipped_default_answers_heldout_prompts(tiny_dir):
     """The embedded default (as `resolve_model_dir('tiny')` gives it) solves held-out prompts it never saw,
     several tokens per forward (target: >= 3 at threshold 0.95)."""
     model = load_for_eval(tiny_dir)
-    exs = tasks.heldout_examples()[-16:]
+    exs = tasks.heldout_examples(32)  # every length, 4 each
     for thinking in (False, True):
         sc = score(model, ChatCodec(tiny_dir), exs, threshold=0.95, enable_thinking=thinking)
         wrong = [(ex.prompt, text) for ex, text, ok in sc.results if not ok]
@@ -295,7 +357,7 @@ def test_shipped_default_answers_heldout_prompts_next_token(tiny_dir):
     """The embedded default also decodes autoregressively: greedy next-token decoding from the last causal
     row (generate_ar, no runtime) solves held-out prompts it never saw, in both chat modes."""
     model, codec = load_for_eval(tiny_dir), ChatCodec(tiny_dir)
-    exs = tasks.heldout_examples()[-16:]
+    exs = tasks.heldout_examples(32)  # every length, 4 each
     for thinking in (False, True):
         sc = score_ar(model, codec, exs, enable_thinking=thinking)
         wrong = [(ex.prompt, text) for ex, text, ok in sc.results if not ok]
@@ -304,6 +366,68 @@ def test_shipped_default_answers_heldout_prompts_next_token(tiny_dir):
     assert facts["settings"]["ar_weight"] > 0
     for mode in ("thinking=False", "thinking=True"):
         assert facts["heldout_ar"][mode]["accuracy"] >= 95, mode
+
+
+SHORT_LISTS = [("sort", [2, 1]), ("sort", [5, 2]), ("reverse", [3]), ("sort", [7]), ("reverse", [4, 9]),
+               ("sort", [0, 0]), ("reverse", [6, 1])]
+
+
+@pytest.mark.parametrize("decoding", ["low_confidence", "ar"])
+def test_shipped_default_answers_one_and_two_digit_lists(decoding):
+    """Lists of one and two digits, through the runtime as `clover-export generate` runs it (the embedded
+    default, its generation defaults): block diffusion and next-token decoding, both chat renderings. The
+    expected answers are the task's reference (tasks.make_example)."""
+    from clover_export.runtime import Generator
+
+    gen = Generator.load(None, "torch", max_slots=len(SHORT_LISTS))
+    examples = [tasks.make_example(task, digits) for task, digits in SHORT_LISTS]
+    assert examples[0].answer == "1 2" and examples[2].answer == "3"
+    for thinking in (False, True):
+        res = gen.wait([gen.submit(ex.prompt, decoding=decoding, enable_thinking=thinking, max_new_tokens=32)
+                        for ex in examples])
+        wrong = [(ex.prompt, r.text) for ex, r in zip(examples, res) if not tasks.is_correct(ex, r.text)]
+        assert not wrong, (thinking, wrong)
+
+
+@pytest.mark.parametrize("args", [[], ["--decoding", "ar"]])
+def test_cli_sorts_two_digits(args):
+    """`clover-export generate --prompt "Sort: 2 1"` prints 1 2 (the default's first stages answered 1 2 2)."""
+    from click.testing import CliRunner
+
+    from clover_export.cli import main
+
+    for ex in (tasks.make_example("sort", [2, 1]), tasks.make_example("sort", [5, 2])):
+        r = CliRunner().invoke(main, ["generate", "--prompt", ex.prompt, "--json", *args])
+        assert r.exit_code == 0, r.output
+        text = json.loads(r.output.strip().splitlines()[-1])["text"]
+        assert tasks.is_correct(ex, text), (ex.prompt, text)
+
+
+def test_shipped_default_is_scored_per_length(tiny_dir):
+    """training.json reports held-out accuracy per list length, 1 to 8 digits, for block diffusion and
+    next-token decoding in both chat renderings, each length at 100 %; the held-out counts per length are
+    those of tasks.heldout_examples."""
+    from collections import Counter
+
+    facts = json.loads((tiny_dir / "training.json").read_text())
+    counts = Counter(ex.items for ex in tasks.heldout_examples())
+    assert facts["items"] == [1, 8] and facts["heldout_items"] == {str(n): counts[n] for n in range(1, 9)}
+    for table in ("heldout_at_0.95", "heldout_ar"):
+        for mode in ("thinking=False", "thinking=True"):
+            by_items = facts[table][mode]["accuracy_by_items"]
+            assert by_items == {str(n): 100.0 for n in range(1, 9)}, (table, mode, by_items)
+
+
+def test_train_reports_accuracy_per_length(codec):
+    """train()'s evals carry accuracy per list length for both decoding modes, over every length of the
+    held-out prompts scored (2 each here, so the overall accuracy is their mean)."""
+    heldout = tasks.heldout_examples(16)
+    model = new_model(tiny_config_dict(**SMALL), seed=0)
+    s = TrainSettings(steps=1, batch_size=4, warmup=1, seed=0, eval_every=1, eval_count=16)
+    (ev,) = train(model, codec, s, log=lambda *_: None, heldout=heldout)["evals"]
+    for key, overall in (("accuracy_by_items", "accuracy"), ("ar_accuracy_by_items", "ar_accuracy")):
+        assert list(ev[key]) == [str(n) for n in range(1, 9)], key
+        assert sum(ev[key].values()) / 8 == pytest.approx(ev[overall], abs=0.01), key
 
 
 def test_init_from_takes_a_trained_folder_of_the_shipped_architecture(tmp_path):
@@ -320,6 +444,19 @@ def test_init_from_takes_a_trained_folder_of_the_shipped_architecture(tmp_path):
     (other / "config.json").write_text(json.dumps(tiny_config_dict(**SMALL)))
     with pytest.raises(CloverError, match="not the trained architecture"):
         initial_model(other, tiny_config_dict())
+
+
+def test_tiny_version_names_the_shipped_weights():
+    """ensure_tiny keeps its copy of the shipped folder in the user's cache under TINY_VERSION: other weights
+    shipped under the same version would leave earlier installs on their old copy. Each version's weights."""
+    import hashlib
+
+    from clover_export.tiny import TINY_VERSION
+
+    weights = {3: "70de262e51eb21142e37d31eafe8eb9e5b605b4000921e780c1771f7717def0d",  # lists of 3-8 digits
+               4: "a60089d31a080a05a3682e1f4f8aefd70349bb64eb06fe8d3821229d96da2676"}  # 1-8 digits
+    shipped = (TRAINED_DIR / "model-00001-of-00001.safetensors").read_bytes()
+    assert hashlib.sha256(shipped).hexdigest() == weights.get(TINY_VERSION), "bump TINY_VERSION with the weights"
 
 
 def test_embedded_default_is_the_shipped_folder(tiny_dir):

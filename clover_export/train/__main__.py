@@ -6,6 +6,7 @@ import json
 import platform
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -13,7 +14,7 @@ import torch
 
 from clover_export.cli import OneLineErrors
 from clover_export.core.atomic import atomic_write
-from clover_export.train.trainer import TrainSettings, new_model, save_trained, train
+from clover_export.train.trainer import TrainSettings, by_items, new_model, save_trained, train
 
 
 def trained_config_dict() -> dict:
@@ -54,6 +55,12 @@ def initial_model(model_dir: Path, cfg_dict: dict):
     return load_for_eval(model_dir), earlier  # fp32 parameters, trainable
 
 
+def heldout_counts(heldout) -> dict[str, int]:
+    """How many held-out prompts there are of each list length."""
+    counts = Counter(ex.items for ex in heldout)
+    return {str(n): counts[n] for n in sorted(counts)}
+
+
 class _Command(OneLineErrors, click.Command):
     """Errors as in `clover-export` (cli.py): one line on stderr, exit status 1."""
 
@@ -69,6 +76,8 @@ class _Command(OneLineErrors, click.Command):
               help="Weight of the next-token loss on causal rows (0: block diffusion alone).")
 @click.option("--init-from", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
               help="Start from this trained model folder's weights (same architecture) instead of a random init.")
+@click.option("--min-items", default=TrainSettings.min_items, show_default=True,
+              help="Shortest list the training stream draws (3: the stream of the embedded default's first stages).")
 @click.option("--seed", default=TrainSettings.seed, show_default=True, help="Seeds init, data and masks.")
 @click.option("--threads", default=1, show_default=True, help="torch CPU threads (results depend on it).")
 @click.option("--eval-every", default=TrainSettings.eval_every, show_default=True,
@@ -77,8 +86,8 @@ class _Command(OneLineErrors, click.Command):
 @click.option(
     "--force", is_flag=True, help="Replace OUT when it holds an earlier training output (never any other folder)."
 )
-def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, seed, threads, eval_every, eval_count,
-         force):
+def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, min_items, seed, threads, eval_every,
+         eval_count, force):
     """Train a tiny Clover for block diffusion and next-token decoding on the synthetic tasks, CPU only.
 
     The objective and data are described in clover_export/train/trainer.py;
@@ -96,7 +105,8 @@ def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, seed, thr
                         model_dirs=sources)
     torch.set_num_threads(threads)
     settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed,
-                             eval_every=eval_every, eval_count=eval_count, ar_weight=ar_weight)
+                             eval_every=eval_every, eval_count=eval_count, ar_weight=ar_weight,
+                             min_items=min_items)
     cfg_dict = trained_config_dict()
     with tempfile.TemporaryDirectory() as tmp:
         tok.build_tokenizer_files(Path(tmp))
@@ -111,8 +121,8 @@ def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, seed, thr
         facts["init_from"] = {"path": str(init_from), "training": earlier}
     facts.update({"threads": threads, "torch": torch.__version__, "machine": platform.machine(),
                   "parameters": sum(p.numel() for p in model.parameters()),
-                  "tasks": list(tasks.TASKS), "items": [tasks.MIN_ITEMS, tasks.MAX_ITEMS],
-                  "heldout_seed": tasks.HELDOUT_SEED})
+                  "tasks": list(tasks.TASKS), "items": [min_items, tasks.MAX_ITEMS],
+                  "heldout_seed": tasks.HELDOUT_SEED, "heldout_items": heldout_counts(heldout)})
     claim_dir(out_dir, "train", command="train", force=force, model_dirs=sources)  # OUT may have changed
     save_trained(model, cfg_dict, out_dir, facts, trained_generation_config())
     # final figures on the full held-out set, from the saved BF16 weights
@@ -120,13 +130,14 @@ def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, seed, thr
     final = {}
     for thinking in (False, True):
         sc = score(saved, codec, heldout, threshold=0.95, enable_thinking=thinking)
-        final[f"thinking={thinking}"] = {"accuracy": sc.accuracy, "tokens_per_forward": round(sc.tokens_per_forward, 3)}
+        final[f"thinking={thinking}"] = {"accuracy": sc.accuracy, "tokens_per_forward": round(sc.tokens_per_forward, 3),
+                                         "accuracy_by_items": by_items(sc.accuracy_by_items)}
         click.echo(f"held-out ({len(heldout)}), thinking={thinking}, threshold 0.95: {sc.line()}")
     facts["heldout_at_0.95"] = final
     ar = {}
     for thinking in (False, True):
         sc = score_ar(saved, codec, heldout, enable_thinking=thinking)
-        ar[f"thinking={thinking}"] = {"accuracy": sc.accuracy}
+        ar[f"thinking={thinking}"] = {"accuracy": sc.accuracy, "accuracy_by_items": by_items(sc.accuracy_by_items)}
         click.echo(f"held-out ({len(heldout)}), thinking={thinking}, next-token greedy: acc={sc.accuracy:.1f}%")
     facts["heldout_ar"] = ar
     atomic_write(out_dir / "training.json", (json.dumps(facts, indent=2) + "\n").encode())

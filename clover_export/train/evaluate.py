@@ -115,6 +115,10 @@ class ArScore:
     accuracy: float  # percent
     results: list[tuple[Example, str, bool]]
 
+    @property
+    def accuracy_by_items(self) -> dict[int, float]:
+        return percent_correct_by_items(self.results)
+
 
 def score_ar(model: CloverModel, codec: ChatCodec, examples: list[Example], enable_thinking: bool = False,
              batch_size: int = 64, max_new_tokens: int = 32) -> ArScore:
@@ -146,6 +150,12 @@ def _percent_correct(results: list[tuple[Example, str, bool]]) -> float:
     return 100.0 * sum(r[2] for r in results) / len(results)
 
 
+def percent_correct_by_items(results: list[tuple[Example, str, bool]]) -> dict[int, float]:
+    """Percent judged correct per input length (the list's number of items), shortest first."""
+    lengths = sorted({ex.items for ex, _, _ in results})
+    return {n: _percent_correct([r for r in results if r[0].items == n]) for n in lengths}
+
+
 @dataclass
 class Score:
     accuracy: float  # percent
@@ -153,6 +163,10 @@ class Score:
     forwards_per_block: float
     experts_per_block: float  # mean |kept set| over layers and steps
     results: list[tuple[Example, str, bool]]
+
+    @property
+    def accuracy_by_items(self) -> dict[int, float]:
+        return percent_correct_by_items(self.results)
 
     def line(self) -> str:
         return (f"acc={self.accuracy:.1f}% tpf={self.tokens_per_forward:.2f} "

@@ -3,17 +3,34 @@
 Two digit-list tasks, both answered in one block: sort a list of single
 digits ("Sort: 7 3 9" -> "3 7 9") and reverse it ("Reverse: 7 3 9" -> "9 3 7").
 Every digit is one token (tokenizer_assets splits digits), so an answer of n
-digits is 2n - 1 tokens. Held-out prompts come from their own seed and are
-never produced by the training stream.
+digits is 2n - 1 tokens. Lists have MIN_ITEMS (1) to MAX_ITEMS (8) digits;
+the training stream draws the length uniformly (a `min_items` of 3 is the
+stream the embedded default's first two stages were trained on).
+
+Held-out set (never produced by the training stream, which skips its prompts),
+chosen per length because the prompt space is 10^n per task:
+- long lists (LONG_MIN_ITEMS.. MAX_ITEMS, 10^3+ prompts per task): the first
+  LONG_HELDOUT distinct prompts of a sampler over those lengths with a seed of
+  its own (HELDOUT_SEED), about 33 per length;
+- short lists (1 and 2 items, only 10 and 100 prompts per task): a fixed share
+  per task, SHORT_HELDOUT (3 of the 10 one-digit prompts, 15 of the 100
+  two-digit ones), drawn with the same seed; the other 7 and 85 are trained on.
+A held-out prompt is never trained on, so evaluating on every short prompt
+would leave none to train; the shares keep both sides for every length.
+`heldout_examples` lists the set length by length in turn (1, 2, ..., 8, 1, ...),
+so any prefix covers every length while it lasts.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TASKS = ("sort", "reverse")
-MIN_ITEMS, MAX_ITEMS = 3, 8
+MIN_ITEMS, MAX_ITEMS = 1, 8
+LONG_MIN_ITEMS = 3  # lists this long or longer are held out by sampling, shorter ones by share
+LONG_HELDOUT = 200
+SHORT_HELDOUT = {1: 3, 2: 15}  # held-out prompts per task, of the 10 ** n
 HELDOUT_SEED = 1_000_003
 
 
@@ -22,38 +39,59 @@ class Example:
     task: str
     prompt: str  # the user message
     answer: str  # the exact expected assistant content
+    items: int = field(default=0, compare=False)  # the list's length
 
 
 def make_example(task: str, digits: list[int]) -> Example:
     listed = " ".join(map(str, digits))
     if task == "sort":
-        return Example(task, f"Sort: {listed}", " ".join(map(str, sorted(digits))))
+        return Example(task, f"Sort: {listed}", " ".join(map(str, sorted(digits))), len(digits))
     if task == "reverse":
-        return Example(task, f"Reverse: {listed}", " ".join(map(str, digits[::-1])))
+        return Example(task, f"Reverse: {listed}", " ".join(map(str, digits[::-1])), len(digits))
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
 
 
-def sample_example(rng: random.Random) -> Example:
+def sample_example(rng: random.Random, min_items: int = MIN_ITEMS) -> Example:
     task = rng.choice(TASKS)
-    n = rng.randint(MIN_ITEMS, MAX_ITEMS)
+    n = rng.randint(min_items, MAX_ITEMS)
     return make_example(task, [rng.randint(0, 9) for _ in range(n)])
 
 
-def heldout_examples(count: int = 200) -> list[Example]:
-    """The fixed held-out set: the first `count` distinct prompts of a separate seed."""
+def _long_heldout() -> list[Example]:
     rng = random.Random(HELDOUT_SEED)
     seen: dict[str, Example] = {}
-    while len(seen) < count:
-        ex = sample_example(rng)
+    while len(seen) < LONG_HELDOUT:
+        ex = sample_example(rng, LONG_MIN_ITEMS)
         seen.setdefault(ex.prompt, ex)
     return list(seen.values())
 
 
-def training_stream(seed: int, exclude: set[str]):
+def _short_heldout() -> list[Example]:
+    """SHORT_HELDOUT[n] distinct n-digit lists per task, the tasks alternating."""
+    rng = random.Random(HELDOUT_SEED)
+    out = []
+    for n, k in SHORT_HELDOUT.items():
+        picks = {task: rng.sample(range(10 ** n), k) for task in TASKS}
+        for i in range(k):
+            out += [make_example(task, [int(c) for c in f"{picks[task][i]:0{n}d}"]) for task in TASKS]
+    return out
+
+
+def heldout_examples(count: int | None = None) -> list[Example]:
+    """The fixed held-out set (all of it, or its first `count`), the lengths taking turns."""
+    by_length: dict[int, list[Example]] = {n: [] for n in range(MIN_ITEMS, MAX_ITEMS + 1)}
+    for ex in _short_heldout() + _long_heldout():
+        by_length[ex.items].append(ex)
+    rounds = max(len(v) for v in by_length.values())
+    turns = [exs[i] for i in range(rounds) for exs in by_length.values() if i < len(exs)]
+    return turns if count is None else turns[:count]
+
+
+def training_stream(seed: int, exclude: set[str], min_items: int = MIN_ITEMS):
     """Endless deterministic training examples, skipping every prompt in `exclude`."""
     rng = random.Random(seed)
     while True:
-        ex = sample_example(rng)
+        ex = sample_example(rng, min_items)
         if ex.prompt not in exclude:
             yield ex
 

@@ -53,6 +53,7 @@ class TrainSettings:
     eval_every: int = 500
     eval_count: int = 48  # held-out prompts scored at each eval (threshold 0.95, and next-token greedy)
     ar_weight: float = 1.0  # weight of the next-token loss (0: block diffusion alone, no causal forward)
+    min_items: int = tasks.MIN_ITEMS  # shortest training list (3: the stream of the default's first two stages)
 
 
 def lr_at(s: TrainSettings, step: int) -> float:
@@ -86,7 +87,7 @@ class Batches:
 
     def __init__(self, codec: ChatCodec, settings: TrainSettings, block_size: int, exclude: set[str]):
         self.codec, self.s, self.N = codec, settings, block_size
-        self.examples = tasks.training_stream(settings.seed, exclude)
+        self.examples = tasks.training_stream(settings.seed, exclude, settings.min_items)
         self.rng = random.Random(settings.seed + 1)
         self.gen = torch.Generator().manual_seed(settings.seed + 2)
 
@@ -100,6 +101,11 @@ class Batches:
             batch.causal = make_causal_batch(prompts, responses, self.codec.im_end, self.codec.mask,
                                              self.codec.eot, self.N)
         return batch
+
+
+def by_items(percents: dict[int, float]) -> dict[str, float]:
+    """A per-length accuracy table as JSON keeps it (string keys, rounded percents)."""
+    return {str(n): round(v, 2) for n, v in percents.items()}
 
 
 def new_model(cfg_dict: dict, seed: int) -> CloverModel:
@@ -149,8 +155,10 @@ def train(model: CloverModel, codec: ChatCodec, settings: TrainSettings, log=pri
             ar = score_ar(model, codec, heldout[: settings.eval_count])
             model.train()
             evals.append({"step": done, "accuracy": sc.accuracy, "tokens_per_forward": sc.tokens_per_forward,
-                          "ar_accuracy": ar.accuracy})
-            log(f"eval step {done}: {sc.line()} | next-token greedy acc={ar.accuracy:.1f}%")
+                          "ar_accuracy": ar.accuracy, "accuracy_by_items": by_items(sc.accuracy_by_items),
+                          "ar_accuracy_by_items": by_items(ar.accuracy_by_items)})
+            log(f"eval step {done}: {sc.line()} | next-token greedy acc={ar.accuracy:.1f}% | by items "
+                f"{evals[-1]['accuracy_by_items']} | next-token {evals[-1]['ar_accuracy_by_items']}")
     model.eval()
     return {"settings": asdict(settings), "wall_seconds": round(time.time() - start, 1),
             "final_block_loss_avg": round(running["block"], 5),
