@@ -27,7 +27,9 @@ from clover_export.serve.app import ServeOptions, build_app
 
 MODEL_ID = "clover-tiny"
 # about one token per step and no end token: stays in the batch for ~1000 steps unless cancelled
-LONG = {"model": "clover-tiny", "prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 1000, "threshold": 1.0}
+# threshold 1.0: one token a step; ignore_eos: no end token stops it early, whatever the weights answer
+LONG = {"model": "clover-tiny", "prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 1000, "threshold": 1.0,
+        "ignore_eos": True}
 
 
 def free_port() -> int:

@@ -286,15 +286,16 @@ def test_negative_penalties_reach_the_runtime(server, reference):
 
 
 def test_vllm_ignore_eos_and_min_tokens(server, reference):
+    prompt = "Reverse: 4 5 6"  # a task the default answers in a few tokens, then an end token
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    args = dict(model="clover-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
+    args = dict(model="clover-tiny", messages=[{"role": "user", "content": prompt}], max_tokens=64)
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     plain = client.chat.completions.create(**args, extra_body=off)
     assert plain.usage.completion_tokens < 20 and plain.choices[0].finish_reason == "stop"  # ends early by itself
     out = client.chat.completions.create(**args, extra_body={**off, "ignore_eos": True})
     assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (64, "length")
     # the end tokens it generated on are in token_ids but not in the text
-    want = reference.generate("Hi", max_new_tokens=64, enable_thinking=False, ignore_eos=True)
+    want = reference.generate(prompt, max_new_tokens=64, enable_thinking=False, ignore_eos=True)
     ends = set(reference.defaults.eos_token_id) | reference.extra_end_ids
     assert ends & set(want.token_ids) and len(want.token_ids) == 64
     kept = [t for t in want.token_ids if t not in ends]
@@ -307,7 +308,7 @@ def test_vllm_ignore_eos_and_min_tokens(server, reference):
     assert head and content.startswith(head)
     assert not any(reference.tokenizer.decode([t]) in content for t in ends)
     out = client.chat.completions.create(**args, extra_body={**off, "min_tokens": 20})
-    want = reference.generate("Hi", max_new_tokens=64, enable_thinking=False, min_tokens=20)
+    want = reference.generate(prompt, max_new_tokens=64, enable_thinking=False, min_tokens=20)
     assert out.usage.completion_tokens == want.response_tokens >= 20
     assert out.choices[0].message.content == want.text.strip()
 

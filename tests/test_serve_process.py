@@ -58,7 +58,8 @@ def test_sigterm_finishes_running_requests_cancels_past_the_grace_period_and_exi
     proc, url = start_server("--drain-timeout", "8", "--log-level", "warning")
     try:
         short = {"prompt": "What is 2 + 3?", "max_tokens": 40, "stream": True}
-        endless = {"prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 1000, "stream": True, "threshold": 1.0}
+        endless = {"prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 1000, "stream": True, "threshold": 1.0,
+                   "ignore_eos": True}
         results = {}
         threads = []
         for name, body in (("short", short), ("endless", endless)):

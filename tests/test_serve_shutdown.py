@@ -25,7 +25,7 @@ from test_serve_process import start_server
 
 from clover_export.serve.app import ServeOptions, build_app
 
-# exactly one token per step (threshold 1.0) and no end token: ~1000 steps unless cancelled
+# exactly one token per step (threshold 1.0), end tokens ignored: ~1000 steps unless cancelled
 ENDLESS = {**LONG, "max_tokens": 1000}
 # the same prompt for one block: exactly 32 steps, a few seconds beside three other rows on a small CPU
 ONE_BLOCK = {**LONG, "max_tokens": 32}
