@@ -206,21 +206,25 @@ def timed_batches(run_batch, job: dict) -> dict:
 
 
 def llama_worker(job: dict) -> dict:
+    """Convert with llama.cpp's own converter (its gguf-py on the path), then load and decode with
+    llama-cpp-python; the first step that fails is the answer."""
+    src = Path(job["llama_cpp_dir"] or "")
+    convert = src / "convert_hf_to_gguf.py"
+    if not convert.exists():
+        raise Step("finding convert_hf_to_gguf.py", f"not in {job['llama_cpp_dir']!r} (give --llama-cpp-dir, "
+                   "a llama.cpp source tree, e.g. llama-cpp-python's sdist vendor/llama.cpp)")
+    gguf = Path(job["work"]) / "model-f32.gguf"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
+    # --no-mtp: the checkpoint has no multi-token-prediction layers (the converter asserts on them otherwise)
+    p = subprocess.run([sys.executable, str(convert), job["hf_dir"], "--outfile", str(gguf), "--outtype", "f32",
+                        "--no-mtp"], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        lines = [ln for ln in (p.stderr + p.stdout).splitlines() if ln.strip()]
+        raise Step("convert_hf_to_gguf.py", lines[-1] if lines else f"exit {p.returncode}")
     try:
         import llama_cpp
     except Exception as e:  # noqa: BLE001 - any import failure is the answer
         raise Step("import llama_cpp (pip install llama-cpp-python)", e) from None
-    convert = Path(job["llama_cpp_dir"] or "") / "convert_hf_to_gguf.py"
-    if not convert.exists():
-        raise Step("finding convert_hf_to_gguf.py", f"not in {job['llama_cpp_dir']!r} (give --llama-cpp-dir, "
-                   "a llama.cpp source tree)")
-    gguf = Path(job["work"]) / "model-f32.gguf"
-    p = subprocess.run([sys.executable, str(convert), job["hf_dir"], "--outfile", str(gguf), "--outtype", "f32"],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        lines = [ln for ln in (p.stderr + p.stdout).splitlines() if ln.strip()]
-        err = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
-        raise Step("convert_hf_to_gguf.py", err)
     try:
         llm = llama_cpp.Llama(str(gguf), n_ctx=2048, n_threads=job["threads"], n_batch=256, verbose=False,
                               logits_all=False)
@@ -252,7 +256,8 @@ def vllm_worker(job: dict) -> dict:
                   max_num_seqs=max(job["batches"]), skip_tokenizer_init=True, enable_prefix_caching=False)
     except Exception as e:  # noqa: BLE001
         raise Step("vllm.LLM(model)", e) from None
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_new"], stop_token_ids=job["ends"], detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new"], stop_token_ids=job["ends"], detokenize=False,
+                            logit_bias={job["mask_id"]: -1e4})  # the mask token excluded, as in ours
 
     def run_batch(prompts):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
