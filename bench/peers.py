@@ -254,7 +254,11 @@ def vllm_worker(job: dict) -> dict:
     try:
         llm = LLM(model=job["hf_dir"], dtype="float32", max_model_len=1024, enforce_eager=True,
                   max_num_seqs=max(job["batches"]), skip_tokenizer_init=True, enable_prefix_caching=False)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - vLLM inspects the architecture in a subprocess: name the real cause
+        try:
+            import vllm.model_executor.models.qwen3_5  # noqa: F401
+        except Exception as cause:  # noqa: BLE001
+            raise Step("vllm.LLM(model): importing vllm's qwen3_5 model module", cause) from None
         raise Step("vllm.LLM(model)", e) from None
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new"], stop_token_ids=job["ends"], detokenize=False,
                             logit_bias={job["mask_id"]: -1e4})  # the mask token excluded, as in ours

@@ -5,7 +5,8 @@
     python bench/soak.py --minutes 1 --sample-s 3 --clients 3      # test-sized (tests/test_soak.py)
 
 The server listens on 127.0.0.1 only and every request goes there; the request loops stop at the
-deadline or after `--max-requests`, whichever comes first. `--clients` closed-loop clients (each sends
+deadline or after `--max-requests`, whichever comes first; a request still running `--grace-s` after the
+deadline is cancelled and counted as an error. `--clients` closed-loop clients (each sends
 its next request when the previous one ends) draw from a fixed-seed mix:
 - completions and chat completions, streamed and not, in every decoding mode (`decoding`:
   low_confidence, ar, self_spec, as the extra body field);
@@ -75,6 +76,7 @@ class Options:
     max_body_bytes: int = 64 << 10
     warmup_frac: float = 0.1
     max_requests: int = 1_000_000
+    grace_s: float = 60.0  # after the deadline, for the requests in flight to end
     rss_growth: float = 0.05
     p99_ratio: float = 1.5
     seed: int = 0
@@ -257,11 +259,19 @@ class Traffic:
                     status = await self.scenario(client, rng, name)
                 except httpx.HTTPError as e:
                     status = type(e).__name__
+                except asyncio.CancelledError:  # still running `grace_s` after the deadline
+                    self.outcomes.append(Outcome(name, t0, time.monotonic(), "unfinished", False))
+                    raise
                 expected = DELIBERATE.get(name, 200)
                 self.outcomes.append(Outcome(name, t0, time.monotonic(), status, status == expected))
 
     async def run(self, stop_at: float) -> None:
-        await asyncio.gather(*(self.client(i, stop_at) for i in range(self.o.clients)))
+        """Until `stop_at`; requests still running `grace_s` later are cancelled (each an error)."""
+        clients = asyncio.gather(*(self.client(i, stop_at) for i in range(self.o.clients)))
+        try:
+            await asyncio.wait_for(clients, stop_at + self.o.grace_s - time.monotonic())
+        except asyncio.TimeoutError:
+            pass
 
 
 # --- sampling and judging ----------------------------------------------------------------------------------
@@ -458,6 +468,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=d.max_batch)
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
     ap.add_argument("--max-requests", type=int, default=d.max_requests)
+    ap.add_argument("--grace-s", type=float, default=d.grace_s)
     ap.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default=None, help="results file stem")

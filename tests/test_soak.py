@@ -27,7 +27,7 @@ def load_soak():
 def test_a_minute_of_mixed_traffic_passes_the_soak_criteria(tmp_path):
     soak = load_soak()
     minutes = float(os.environ.get("CLOVER_SOAK_TEST_MINUTES", "1"))
-    rep = soak.run(soak.Options(minutes=minutes, sample_s=3, clients=3, max_tokens=32, warmup_frac=0.15,
+    rep = soak.run(soak.Options(minutes=minutes, sample_s=3, clients=3, max_tokens=32, warmup_frac=0.15, grace_s=30,
                                 out=str(tmp_path / "soak"), plot=False))
     assert set(rep.criteria) == {"rss", "drained", "cache_budget", "errors", "p99"}
     assert {name for name, n in rep.counts.items() if n["n"]} >= {"completion", "chat_stream", "multi_turn"}
