@@ -35,9 +35,6 @@ log = logging.getLogger("clover_export.serve")
 # bodies larger than this are checked one at a time (their own thread limiter), so that small requests never
 # wait behind them (docs/serving.md, Input limits)
 LARGE_BODY_BYTES = 256 << 10
-# bodies up to this are checked on the event loop: at most ~1.5 ms of work, less than the hop to a worker thread
-# and back costs while the engine thread holds the GIL (~5 ms median; bench/README.md, serve_load.py)
-INLINE_BODY_BYTES = 1 << 10
 
 
 class ClientGone(Exception):
@@ -214,13 +211,10 @@ async def _body_bytes(request: Request) -> bytes:
 
 
 async def _admission(request: Request, chat: bool) -> tuple[adapter.Submission, dict[str, Any]]:
-    """Everything the request brings, checked before the engine sees it (SERVING.md 5): (its submission, the
-    engine's `Generator.submit` kwargs with the prompt as token ids). A body up to INLINE_BODY_BYTES is checked
-    on the event loop; a larger one in a worker thread, one over LARGE_BODY_BYTES after waiting for the
-    large-body limiter."""
+    """Everything the request brings, checked in a worker thread before the engine sees it (SERVING.md 5):
+    (its submission, the engine's `Generator.submit` kwargs with the prompt as token ids). A body over
+    LARGE_BODY_BYTES waits for the large-body limiter; the others take the default thread pool."""
     body = await _body_bytes(request)
-    if len(body) <= INLINE_BODY_BYTES:
-        return _check_request(request, body, chat)
     limiter = request.app.state.large_bodies if len(body) > LARGE_BODY_BYTES else None
     return await anyio.to_thread.run_sync(_check_request, request, body, chat, limiter=limiter)
 
