@@ -388,6 +388,9 @@ def run(o: Options) -> Report:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    log = stem.with_suffix(".server.log")
+    if log.exists() and not log.stat().st_size:
+        log.unlink()  # a quiet server (warnings and worse only)
     write(rep, stem, o)
     return rep
 
@@ -442,7 +445,7 @@ def plot(rep: Report, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    return f"plot: {path}"
+    return f"plot: {path.name}"
 
 
 def write(rep: Report, stem: Path, o: Options) -> None:
