@@ -138,6 +138,9 @@ def main():
     levels = [int(c) for c in args.concurrency.split(",")]
     max_batch = max(levels)
 
+    # the direct side runs as the server does (start_server passes OMP_NUM_THREADS=1): without it this process's
+    # OpenMP pool is sized for every core and the direct baseline ran ~2x slower beside busy processes
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     from clover_export.runtime import Generator
