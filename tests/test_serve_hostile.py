@@ -11,7 +11,6 @@ server exits 0 on SIGTERM with no traceback in its log. The pure checks
 from __future__ import annotations
 
 import json
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from test_serve_process import start_server
+from test_serve_process import start_server, stop_server
 
 from clover_export.serve import protocol
 from clover_export.serve.protocol import ApiError
@@ -51,13 +50,7 @@ def server(tiny_dir):
     try:
         yield srv
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except Exception:  # noqa: BLE001
-                proc.kill()
-        log = proc.communicate()[0]
+        log = stop_server(proc)
     assert proc.returncode == 0, log[-3000:]
     assert "Traceback" not in log, log[-3000:]  # no request left a traceback behind
 

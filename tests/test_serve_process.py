@@ -44,6 +44,17 @@ def start_server(*args, timeout=240, env=None):
     raise AssertionError(f"server did not come up:\n{proc.communicate()[0][-3000:]}")
 
 
+def stop_server(proc) -> str:
+    """SIGTERM a server still running, give it 60 s to exit (then kill it); its output."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.communicate()[0]
+
+
 def stream_events(url, body, accepted: threading.Event, out: list):
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         accepted.set()

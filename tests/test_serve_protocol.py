@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 
 import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_serve_process import start_server
+from test_serve_process import start_server, stop_server
 
 from clover_export.core.errors import CloverError
 from clover_export.tiny.tokenizer_assets import special_token_ids
@@ -253,12 +252,7 @@ def server(tiny_dir):
         yield Server(url)
         assert httpx.get(url + "/health", timeout=10).status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except Exception:  # noqa: BLE001
-            proc.kill()
-        log = proc.communicate()[0]
+        log = stop_server(proc)
     assert proc.returncode == 0, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
 
