@@ -28,6 +28,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
+from clover_export.serve.protocol import ApiError
+
 log = logging.getLogger("clover_export.serve")
 BODY_TIMED_OUT = "clover.body_timed_out"  # the scope key set on a request whose body stalled (answered 408)
 REFUSAL_LOG_EVERY_S = 10.0  # refused connections: one log line per this many seconds at most
@@ -55,9 +57,8 @@ def body_timed_out(scope: dict[str, Any]) -> bool:
 
 
 def _error_body(status: int, message: str) -> bytes:
-    """OpenAI's error body (protocol.ApiError's shape; this module stays below the app)."""
-    kind = "invalid_request_error" if status < 500 else "service_unavailable"
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    """OpenAI's error body, as the app's errors have it."""
+    return json.dumps(ApiError(status, message).body()).encode()
 
 
 def _headers(body: bytes, retry_after: bool = False) -> list[tuple[bytes, bytes]]:
