@@ -9,19 +9,15 @@ Every test ends with a normal request answered: no client of these breaks the se
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-from test_serve_process import free_port
+from test_serve_process import start_server, stop_server
 
 KEY = "sk-clover-conn-5e1b"
 AUTH = f"Authorization: Bearer {KEY}\r\n".encode()
@@ -62,36 +58,15 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("conn") / "server.log"
-    port = free_port()
-    args = ["--port", str(port), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
-            "--header-timeout", str(TIMEOUT_S), "--body-timeout", str(TIMEOUT_S), "--max-headers", str(MAX_HEADERS),
-            "--max-connections", str(MAX_CONNECTIONS), "--log-level", "info"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CLOVER_API_KEY=KEY)
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "clover_export.cli", "serve", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-    srv = Server(proc, port, log_path)
-    end = time.monotonic() + 240
-    while time.monotonic() < end and proc.poll() is None:
-        try:
-            if httpx.get(srv.url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        raise AssertionError(f"server did not come up:\n{srv.log()[-3000:]}")
+    args = ["--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--header-timeout", str(TIMEOUT_S),
+            "--body-timeout", str(TIMEOUT_S), "--max-headers", str(MAX_HEADERS), "--max-connections",
+            str(MAX_CONNECTIONS), "--log-level", "info"]
+    proc, url = start_server(*args, env={"CLOVER_API_KEY": KEY}, log=log_path)
+    srv = Server(proc, int(url.rsplit(":", 1)[1]), log_path)
     try:
         yield srv
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    log = srv.log()
+        log = stop_server(proc, log_path)
     assert proc.returncode == 0, log[-3000:]
     assert "Traceback" not in log and "Exception in ASGI" not in log, log[-6000:]
 
