@@ -211,3 +211,18 @@ def test_a_test_run_leaves_no_temporary_folder(tmp_path):
                        capture_output=True, text=True, env=env, cwd=run, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(p.name for p in tmp.iterdir() if not p.name.startswith("pytest-of-")) == [live.name]
+
+
+def test_processes_starting_together_export_once_and_all_use_it(tmp_path, tiny_dir):
+    """Servers or test workers started together on an empty cache: one exports, the others wait for it and use
+    that export (without the lock the later ones failed at the end: the cache entry 'exists from an earlier run')."""
+    env = {**os.environ, "CLOVER_EXPORT_CACHE": str(tmp_path / "cache")}
+    code = ("from clover_export.backends.ort_cache import exported_artifact\n"
+            f"print(exported_artifact({str(tiny_dir)!r}))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    assert [rc for *_, rc in results] == [0, 0, 0], [err for _, err, rc in results if rc]
+    assert len({out for out, _, _ in results}) == 1
+    exporting = [err for _, err, _ in results if "ort: exporting" in err]
+    assert len(exporting) == 1, [err for _, err, _ in results]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -472,3 +474,36 @@ def test_missing_shipped_weights_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOVER_EXPORT_CACHE", str(tmp_path / "cache"))
     with pytest.raises(CloverError, match="trained weights are missing"):
         tiny.ensure_tiny()
+
+
+def test_a_copy_finished_first_by_another_process_is_kept(tmp_path, monkeypatch):
+    """Test workers and servers started together each copy the embedded default into an empty cache: the copy
+    that finishes second must give way (no error, no leftover temp folder), whatever the order."""
+    import clover_export.core.atomic as atomic
+    import clover_export.tiny as tiny
+
+    monkeypatch.setenv("CLOVER_EXPORT_CACHE", str(tmp_path / "cache"))
+    real_publish = atomic.publish_dir
+
+    def other_process_finishes_first(tmp, final):
+        shutil.copytree(TRAINED_DIR, final, ignore=shutil.ignore_patterns("__pycache__"))
+        return real_publish(tmp, final)
+
+    monkeypatch.setattr(atomic, "publish_dir", other_process_finishes_first)
+    target = tiny.ensure_tiny()
+    assert (target / "config.json").read_bytes() == (TRAINED_DIR / "config.json").read_bytes()
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+def test_processes_copying_the_default_at_once_all_get_it(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CLOVER_EXPORT_CACHE": str(tmp_path / "cache")}
+    code = "from clover_export.tiny import ensure_tiny; print(ensure_tiny())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(6)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in results), [err for _, err, rc in results if rc]
+    assert len({out for out, _, _ in results}) == 1
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [Path(results[0][0].strip()).name]

@@ -65,13 +65,24 @@ def _stderr(line: str) -> None:
 def exported_artifact(model: str | Path | None, log: Callable[[str], None] = _stderr) -> Path:
     """The cached fp32 export of MODEL (a model folder or `tiny`), made now if missing."""
     from clover_export.artifact.manifest import is_artifact
-    from clover_export.exporter.export import export
+    from clover_export.core.atomic import exclusive
 
     model_dir = resolve_model_dir(model)
     entry = cache_entry(model_dir)
     if is_artifact(entry):
         log(f"ort: using the cached fp32 export of {model_dir} ({entry})")
         return entry
+    # processes starting together (servers, test workers) export once: the others wait, then use that export
+    with exclusive(entry.with_name(f".{entry.name}.lock")):
+        if is_artifact(entry):
+            log(f"ort: using the cached fp32 export of {model_dir} ({entry}), made meanwhile by another process")
+            return entry
+        return _export_into(model_dir, entry, log)
+
+
+def _export_into(model_dir: Path, entry: Path, log: Callable[[str], None]) -> Path:
+    from clover_export.exporter.export import export
+
     log(f"ort: exporting {model_dir} to an fp32 ONNX graph in the cache ({entry}); once, reused afterwards")
     # the line above announces the export; its progress lines would land on `generate`'s stdout (the text)
     progress = logging.getLogger("clover_export.exporter.export")

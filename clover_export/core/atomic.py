@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 
 def atomic_write(path: Path, data: bytes | memoryview | Callable) -> None:
@@ -32,3 +35,30 @@ def replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def publish_dir(tmp: Path, final: Path) -> Path:
+    """Move a finished temp folder into place unless another writer already did: the first finished copy wins.
+
+    For caches that several processes may fill at once with the same content (test workers, servers starting
+    together): a rename onto a folder that appeared meanwhile fails, and this copy is dropped instead.
+    """
+    try:
+        os.replace(tmp, final)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not final.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (made if missing) across processes; others wait for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -108,7 +108,7 @@ def generate_random_tiny(out_dir: Path, seed: int = 0, dtype=torch.bfloat16, **c
 
 def ensure_tiny() -> Path:
     """Path of the embedded default: the shipped trained folder, copied once into the cache folder."""
-    from clover_export.core.atomic import replace_dir
+    from clover_export.core.atomic import publish_dir
     from clover_export.core.errors import CloverError
 
     target = cache_root() / f"tiny-v{TINY_VERSION}"
@@ -124,7 +124,7 @@ def ensure_tiny() -> Path:
         for f in TRAINED_DIR.iterdir():
             if f.is_file():
                 shutil.copyfile(f, tmp / f.name)
-        replace_dir(tmp, target)
+        publish_dir(tmp, target)  # another process copying at the same time may finish first: its copy is kept
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
