@@ -27,8 +27,9 @@ from starlette.requests import ClientDisconnect
 
 from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH
-from clover_export.serve import adapter, protocol
+from clover_export.serve import adapter, doors, protocol
 from clover_export.serve.connections import ConnectionLimits, body_timed_out
+from clover_export.serve.doors.common import Call, Outcome, Pieces, matched_stop, renamed, sse
 from clover_export.serve.engine import Engine, Event, Full, Job
 from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from clover_export.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -87,7 +88,7 @@ def build_app(options: ServeOptions) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state = app.state
-        state.metrics = Metrics()
+        state.metrics = Metrics(options.model_id)
         state.large_bodies = anyio.CapacityLimiter(1)
         state.engine = Engine(options.load_generator, options.max_batch + options.max_queue, state.metrics)
         state.engine.start()
@@ -128,12 +129,14 @@ class HeaderGuard:
 
 
 class ApiKeyGuard:
-    """`Authorization: Bearer KEY` on /v1/* (and /metrics when protected), else a 401 OpenAI error body.
+    """`Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (and /metrics when protected), else a 401 in
+    the error shape of the path's door (OpenAI's elsewhere).
 
     A plain ASGI middleware (streams pass through untouched). Exactly one
-    `Authorization` header (and at most one `x-api-key`), written `Bearer`
-    (any case, RFC 7235), one space, the key; the key is compared in constant
-    time. /health stays open for load balancers.
+    credential header: `Authorization`, written `Bearer` (any case, RFC 7235),
+    one space, the key; or, on a door that takes it (/v1/messages), `x-api-key`
+    with the key. The key is compared in constant time. /health stays open for
+    load balancers.
     """
 
     CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")
@@ -142,14 +145,17 @@ class ApiKeyGuard:
         self.app, self.key, self.protect_metrics = app, key.encode(), protect_metrics
 
     def protects(self, path: str) -> bool:
-        return path == "/v1" or path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
+        return (path == "/v1" or path.startswith("/v1/") or path in doors.TOKENS.PATHS
+                or (self.protect_metrics and path == "/metrics"))
 
-    def refusal(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+    def refusal(self, headers: list[tuple[bytes, bytes]], path: str = "") -> str | None:
         """Why the request may not pass, or None."""
         given = [(k, v) for k, v in headers if k in self.CREDENTIAL_HEADERS]
-        values = [v for k, v in given if k == b"authorization"]
-        if len(values) > 1 or len(given) - len(values) > 1:
+        if len(given) > 1:
             return "more than one Authorization (or x-api-key) header: send exactly one 'Authorization: Bearer <key>'"
+        if given and given[0][0] == b"x-api-key" and doors.takes_x_api_key(path):
+            return None if hmac.compare_digest(given[0][1], self.key) else "incorrect API key provided"
+        values = [v for k, v in given if k == b"authorization"]
         if not values:
             return "missing API key: send the header 'Authorization: Bearer <key>'"
         scheme, _, token = values[0].partition(b" ")
@@ -158,10 +164,12 @@ class ApiKeyGuard:
         return "incorrect API key provided"
 
     async def __call__(self, scope, receive, send):
-        why = self.refusal(scope["headers"]) if scope["type"] == "http" and self.protects(scope["path"]) else None
+        protected = scope["type"] == "http" and self.protects(scope["path"])
+        why = self.refusal(scope["headers"], scope["path"]) if protected else None
         if why:
             err = ApiError(401, why, code="invalid_api_key")
-            await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            body = doors.error_body(scope["path"], err)
+            await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -199,17 +207,18 @@ def _routes(app: FastAPI) -> None:
     async def metrics(request: Request):
         m, eng = request.app.state.metrics, request.app.state.engine
         running, waiting = eng.load_figures()
-        m.running_rows.set(running)
-        m.queue_depth.set(waiting)
+        m.load(running, waiting)
         m.cache(eng.gen.prefix_cache if eng.gen is not None else None)
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
+
+    _door_routes(app)
 
 
 def _error_handlers(app: FastAPI) -> None:
     def reply(request: Request, e: ApiError) -> JSONResponse:
         if request.url.path.startswith("/v1/") and request.method == "POST":
             request.app.state.metrics.requests.labels(_endpoint(request), str(e.status)).inc()
-        return JSONResponse(e.body(), e.status, headers=e.headers)
+        return JSONResponse(doors.error_body(request.url.path, e), e.status, headers=e.headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -260,11 +269,7 @@ async def _admission(request: Request, chat: bool) -> tuple[adapter.Submission, 
 
 
 def _check_request(request: Request, body: bytes, chat: bool) -> tuple[adapter.Submission, dict[str, Any]]:
-    eng = request.app.state.engine
-    if not eng.ready or eng.gen is None:  # nothing to check against yet
-        raise ApiError(503, "the engine failed to load" if eng.load_error else "the engine is loading; retry later",
-                       code="server_busy", headers={"Retry-After": "5"})
-    gen = eng.gen
+    gen = _ready_generator(request)
     data = protocol.parse_json(body, gen.max_context)
     try:
         req = (ChatRequest if chat else CompletionRequest).model_validate(data)
@@ -273,6 +278,15 @@ def _check_request(request: Request, body: bytes, chat: bool) -> tuple[adapter.S
     _check_model(request, req.model)
     sub = adapter.chat_submission(req, gen.defaults.enable_thinking) if chat else adapter.completion_submission(req)
     return sub, adapter.prepare(gen, sub)
+
+
+def _ready_generator(request: Request):
+    """The engine's Generator, once it is loaded (else a 503: nothing to check a request against yet)."""
+    eng = request.app.state.engine
+    if not eng.ready or eng.gen is None:
+        raise ApiError(503, "the engine failed to load" if eng.load_error else "the engine is loading; retry later",
+                       code="server_busy", headers={"Retry-After": "5"})
+    return eng.gen
 
 
 def _check_model(request: Request, model: str | None) -> None:
@@ -405,6 +419,143 @@ async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: fl
                 yield _data(err.body())
                 yield "data: [DONE]\n\n"
                 state.metrics.finished(_endpoint(request), err.status)
+                ended = True
+                return
+    finally:
+        if job.watcher is not None:
+            job.watcher.cancel()
+        if not ended:  # client gone: the row leaves the batch at the next step
+            state.engine.cancel(job)
+            state.metrics.finished(_endpoint(request), 499)
+
+
+# --- other front doors (clover_export/serve/doors): one loop for every door's Call -----------------------------------
+def _door_routes(app: FastAPI) -> None:
+    for door in doors.GENERATION:
+        app.add_api_route(door.PATH, _door_endpoint(door), methods=["POST"])
+    for path, (model, handler) in doors.TOKENS.HANDLERS.items():
+        app.add_api_route(path, _tokens_endpoint(model, handler), methods=["POST"])
+
+
+def _door_endpoint(door):
+    async def endpoint(request: Request):
+        body = await _body_bytes(request)
+        limiter = request.app.state.large_bodies if len(body) > LARGE_BODY_BYTES else None
+        call, kwargs = await anyio.to_thread.run_sync(_check_door, request, body, door, limiter=limiter)
+        return await _door(request, door, call, kwargs)
+    return endpoint
+
+
+def _check_door(request: Request, body: bytes, door) -> tuple[Call, dict[str, Any]]:
+    """A door's request checked as `_check_request` checks OpenAI's: (its Call, the engine's submit kwargs)."""
+    gen = _ready_generator(request)
+    data = protocol.parse_json(body, gen.max_context)
+    try:
+        call = door.admit(data, gen.defaults.enable_thinking)
+    except ValidationError as e:
+        raise protocol.validation_error(e, data) from None
+    _check_model(request, call.model)
+    call.model = request.app.state.options.model_id  # the answer names the served model, asked for or not
+    try:
+        return call, adapter.prepare(gen, call.sub)
+    except ApiError as e:
+        raise renamed(e, call.renames) from None
+
+
+def _tokens_endpoint(model, handler):
+    async def endpoint(request: Request):
+        body = await _body_bytes(request)
+        limiter = request.app.state.large_bodies if len(body) > LARGE_BODY_BYTES else None
+        return await anyio.to_thread.run_sync(_tokens, request, body, (model, handler), limiter=limiter)
+    return endpoint
+
+
+def _tokens(request: Request, body: bytes, door: tuple) -> dict[str, Any]:
+    model, handler = door
+    gen = _ready_generator(request)
+    data = protocol.parse_json(body, gen.max_context)
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        raise protocol.validation_error(e, data) from None
+    _check_model(request, req.model)
+    return handler(req, gen)
+
+
+async def _door(request: Request, door, call: Call, kwargs: dict[str, Any]):
+    """`_generate` for a door: the engine's events as output pieces, folded by the door's Writer."""
+    state, sub = request.app.state, call.sub
+    job = Job(kwargs, asyncio.get_running_loop(), name=f"{door.__name__.rsplit('.', 1)[-1]}-{sub.id}")
+    try:
+        state.engine.submit(job)
+    except Full as e:
+        raise _unavailable(e) from None
+    deadline = time.monotonic() + state.options.request_timeout_s
+    try:
+        first = await _next_event(job, request, deadline)
+        if first.kind == "error":
+            raise renamed(_failure(first.value, True), call.renames)
+        writer, pieces = door.Writer(call), Pieces(sub.thinking)
+        if sub.stream:
+            events = _door_events(request, job, (writer, pieces, call), first.value, deadline)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        while True:
+            ev = await _next_event(job, request, deadline)
+            if ev.kind == "error":
+                raise renamed(_failure(ev.value, True), call.renames)
+            for piece in pieces.push(*((ev.value.text, ev.value.finished) if ev.kind == "block" else ("", True))):
+                writer.feed(piece)
+            if ev.kind == "done":
+                state.metrics.finished(_endpoint(request), 200, job, ev.value, sub.decoding)
+                return writer.body(_outcome(request, job, sub, ev.value))
+    except ClientGone:
+        state.metrics.finished(_endpoint(request), 499)
+        return Response(status_code=499)  # nobody reads it
+
+
+def _outcome(request: Request, job: Job, sub: adapter.Submission, res) -> Outcome:
+    """What the doors report beyond the Result: the stop string that ended it, the reasoning's token count."""
+    tokenizer, stop = request.app.state.engine.gen.tokenizer, None
+    if res.finish_reason == "stop_string":
+        full = tokenizer.decode(getattr(job.handle.request, "response", res.token_ids))
+        stop = matched_stop(sub.params.get("stop", []), res.text, full)
+    reasoning = 0
+    if sub.thinking:
+        ids, end = res.token_ids, tokenizer.think_end_id
+        reasoning = ids.index(end) + 1 if end in ids else len(ids)
+    return Outcome(res, stop, reasoning)
+
+
+async def _door_events(request: Request, job: Job, fold: tuple, prompt_tokens: int, deadline: float):
+    """The door's stream: its opening events, one batch of events per committed block, its closing events; a
+    failure after the start is the door's error event (SERVING.md 1)."""
+    state, (writer, pieces, call) = request.app.state, fold
+    ended = False
+    try:
+        for name, data in writer.start(prompt_tokens):
+            yield sse(name, data)
+        while True:
+            try:
+                ev = await _next_event(job, request, deadline)
+            except ApiError as e:  # timeout: the stream has begun, so the error goes in the stream
+                ev = Event("error", e)
+            except ClientGone:
+                return
+            if ev.kind == "error":
+                err = renamed(_failure(ev.value, True), call.renames)
+                for name, data in writer.error(err):
+                    yield sse(name, data)
+                state.metrics.finished(_endpoint(request), err.status)
+                ended = True
+                return
+            final = ev.kind == "done"
+            for piece in pieces.push("", True) if final else pieces.push(ev.value.text, ev.value.finished):
+                for name, data in writer.feed(piece):
+                    yield sse(name, data)
+            if final:
+                for name, data in writer.finish(_outcome(request, job, call.sub, ev.value)):
+                    yield sse(name, data)
+                state.metrics.finished(_endpoint(request), 200, job, ev.value, call.sub.decoding)
                 ended = True
                 return
     finally:

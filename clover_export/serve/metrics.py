@@ -6,7 +6,8 @@ block, DECODING.md 4), prompt tokens resumed from the prefix cache; per
 finished request its decoding mode (a label of the validated modes only) and,
 for self_spec, the draft tokens accepted per verifying forward (DECODING.md 5). Per
 engine step: step time, running rows, queue depth. At each scrape: the
-prefix cache's hit rate and bytes (docs/prefix_cache.md).
+prefix cache's hit rate and bytes (docs/prefix_cache.md). Beside them, the `vllm:` names dashboards read
+(metrics_vllm.py).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from prometheus_client import (
 
 from clover_export.core.generation import DECODING_MODES
 from clover_export.serve import adapter
+from clover_export.serve.metrics_vllm import VllmMetrics
 
 PREFIX = "clover_"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "clover-tiny"):
         r = self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "HTTP generation requests by endpoint (the route's template, or "
                                 "'unmatched') and status",
@@ -69,11 +71,17 @@ class Metrics:
                                  "(K/V rows and GDN states of finished sequences kept in idle slots)", ["kind"],
                                  registry=r)
         self.cache_budget = Gauge(PREFIX + "prefix_cache_budget_bytes", "prefix cache snapshot budget", registry=r)
+        self.vllm = VllmMetrics(r, model_name)
 
     def step(self, seconds: float, running: int, waiting: int) -> None:
         self.step_time.observe(seconds)
+        self.load(running, waiting)
+
+    def load(self, running: int, waiting: int) -> None:
+        """Rows in the batch and requests waiting for one, now."""
         self.running_rows.set(running)
         self.queue_depth.set(waiting)
+        self.vllm.load(running, waiting)
 
     def finished(self, endpoint: str, status: int, job=None, result=None, decoding: str | None = None) -> None:
         """One answered request; with its job and Result (status 200), its figures. `decoding`: the mode it
@@ -97,6 +105,7 @@ class Metrics:
             self.tokens_per_forward.observe(result.tokens_per_forward)
         if result.denoise_steps:
             self.distinct_experts.observe(result.distinct_experts_per_block)
+        self.vllm.finished(job, result)
 
     def cache(self, cache) -> None:
         """The prefix cache's figures now (a PrefixCache, or None when it is off)."""
