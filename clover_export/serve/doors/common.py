@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +100,7 @@ def renamed(err: ApiError, renames: dict[str, str]) -> ApiError:
     """`err` with the chat path's parameter names written as the door's (param and quoted names in the message)."""
     message, param = err.message, err.param
     for inner, public in renames.items():
-        message = message.replace(f"'{inner}'", f"'{public}'").replace(f" {inner} ", f" {public} ")
+        message = re.sub(rf"\b{inner}\b", public, message)
         param = public if param == inner else param
     return ApiError(err.status, message, param=param, code=err.code, headers=err.headers)
 

@@ -106,8 +106,15 @@ class ToolChoice(BaseModel):
 
 class Thinking(BaseModel):
     model_config = STRICT
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]  # all but "disabled": thinking on
     budget_tokens: Annotated[int, Field(ge=1)] | None = None  # accepted; max_tokens bounds thinking and answer
+    display: Literal["summarized", "omitted"] | None = None  # accepted; the thinking is the model's own text
+
+
+class OutputConfig(BaseModel):
+    model_config = STRICT
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted and ignored
+    format: dict[str, Any] | None = None  # structured output: refused until the grammar path is in
 
 
 class Metadata(BaseModel):
@@ -130,13 +137,22 @@ class MessagesRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     metadata: Metadata | None = None
-    service_tier: str | None = None  # accepted and ignored
+    output_config: OutputConfig | None = None
+    # accepted and ignored: they change nothing here (docs/serving.md)
+    service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
     decoding: ranged("decoding") = None  # Clover's decoding mode (docs/decoding.md)
 
 
 def admit(data: dict[str, Any], default_thinking: bool) -> Call:
     """The validated body as the chat path's request (pydantic errors are the caller's: they name this body)."""
     req = MessagesRequest.model_validate(data)
+    if req.output_config is not None and req.output_config.format is not None:
+        raise refuse("output_config.format", "is not supported yet (structured output)")
     if req.messages[-1].role == "assistant":
         raise refuse("messages", "ends with an assistant message; continuing a prefilled answer is not supported")
     tools = _tools(req.tools)

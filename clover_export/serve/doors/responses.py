@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from clover_export.serve.doors.common import (
     REASONING,
@@ -78,8 +78,14 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"]
 
 
-Item = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem],
-                 Field(discriminator="type")]
+def _item_type(item: Any) -> Any:
+    """An input item's `type`; a bare {role, content} is a message (the Responses API's easy input message)."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+
+
+Item = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                       Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                       Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_type)]
 
 
 class FunctionTool(BaseModel):
