@@ -156,6 +156,8 @@ class ApiKeyGuard:
         if given and given[0][0] == b"x-api-key" and doors.takes_x_api_key(path):
             return None if hmac.compare_digest(given[0][1], self.key) else "incorrect API key provided"
         values = [v for k, v in given if k == b"authorization"]
+        if not values and doors.takes_x_api_key(path):
+            return "missing API key: send the header 'x-api-key: <key>' or 'Authorization: Bearer <key>'"
         if not values:
             return "missing API key: send the header 'Authorization: Bearer <key>'"
         scheme, _, token = values[0].partition(b" ")
@@ -503,7 +505,7 @@ async def _door(request: Request, door, call: Call, kwargs: dict[str, Any]):
             ev = await _next_event(job, request, deadline)
             if ev.kind == "error":
                 raise renamed(_failure(ev.value, True), call.renames)
-            for piece in pieces.push(*((ev.value.text, ev.value.finished) if ev.kind == "block" else ("", True))):
+            for piece in _pieces_of(pieces, ev):
                 writer.feed(piece)
             if ev.kind == "done":
                 state.metrics.finished(_endpoint(request), 200, job, ev.value, sub.decoding)
@@ -511,6 +513,11 @@ async def _door(request: Request, door, call: Call, kwargs: dict[str, Any]):
     except ClientGone:
         state.metrics.finished(_endpoint(request), 499)
         return Response(status_code=499)  # nobody reads it
+
+
+def _pieces_of(pieces: Pieces, ev: Event) -> list:
+    """The output pieces an engine event adds: a block's, or at "done" the text held back until the end."""
+    return pieces.push(ev.value.text, ev.value.finished) if ev.kind == "block" else pieces.push("", True)
 
 
 def _outcome(request: Request, job: Job, sub: adapter.Submission, res) -> Outcome:
@@ -548,11 +555,10 @@ async def _door_events(request: Request, job: Job, fold: tuple, prompt_tokens: i
                 state.metrics.finished(_endpoint(request), err.status)
                 ended = True
                 return
-            final = ev.kind == "done"
-            for piece in pieces.push("", True) if final else pieces.push(ev.value.text, ev.value.finished):
+            for piece in _pieces_of(pieces, ev):
                 for name, data in writer.feed(piece):
                     yield sse(name, data)
-            if final:
+            if ev.kind == "done":
                 for name, data in writer.finish(_outcome(request, job, call.sub, ev.value)):
                     yield sse(name, data)
                 state.metrics.finished(_endpoint(request), 200, job, ev.value, call.sub.decoding)
