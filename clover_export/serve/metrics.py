@@ -32,7 +32,7 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class Metrics:
-    def __init__(self, model_name: str = "clover-tiny"):
+    def __init__(self, model_name: str):  # the served model's name: the vllm: series' label
         r = self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "HTTP generation requests by endpoint (the route's template, or "
                                 "'unmatched') and status",

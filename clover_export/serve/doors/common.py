@@ -39,7 +39,10 @@ class Pieces:
 
 @dataclass
 class Call:
-    """One door request mapped onto the chat path: its Submission, plus what the door echoes in its answer."""
+    """One door request mapped onto the chat path: its Submission, plus what the door echoes in its answer.
+
+    `tools` and `tool_choice` are the door's, converted and checked; the chat path does not take tools yet, so
+    they stay here (not in the Submission) until it renders them and parses tool calls into pieces."""
 
     sub: adapter.Submission
     model: str
