@@ -6,6 +6,8 @@ Layout (the API/engine split of vLLM's and SGLang's servers):
   arguments, and runtime results become OpenAI responses.
 - `engine.py`: one engine thread per process owning the `Generator`; HTTP
   requests join its continuous batch.
-- `metrics.py`: Prometheus figures; `app.py`: the FastAPI app; `cli.py`:
+- `doors/`: the other front doors (Anthropic Messages, OpenAI Responses,
+  /tokenize and /detokenize), one module each, mapped onto the chat path.
+- `metrics.py`: Prometheus figures (`metrics_vllm.py`: vLLM's names beside them); `app.py`: the FastAPI app; `cli.py`:
   the `serve` command; `ray_app.py` (+ `ray_serve.yaml`): Ray Serve replicas.
 """
