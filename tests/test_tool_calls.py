@@ -308,3 +308,15 @@ def test_an_assistant_prefix_continues_the_prompt(tok):
     ids = tok.apply_chat_template(messages, False, tools=TOOLS, assistant_prefix=opening)
     assert tok.decode(ids) == tok.render(messages, False, tools=TOOLS) + "<tool_call>\n<function=sort_digits>\n"
     assert ids == tok.encode(tok.render(messages, False, tools=TOOLS) + opening)
+
+
+def test_tools_on_a_template_without_tool_calls_are_refused_unless_unused():
+    from clover_export.serve import adapter, protocol
+
+    req = protocol.ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    with pytest.raises(protocol.ApiError) as e:
+        adapter.chat_submission(req, True, parser_for("{{ messages[0]['content'] }}"))
+    assert e.value.status == 400 and e.value.param == "tools"
+    unused = req.model_copy(update={"tool_choice": "none"})
+    assert adapter.chat_submission(unused, True, None).tools.parser is None
+    assert adapter.chat_submission(req, True, XmlToolCalls).tools.parser is XmlToolCalls

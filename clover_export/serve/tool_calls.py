@@ -291,6 +291,30 @@ class JsonToolCalls(StreamParser):
 PARSERS: dict[str, type[StreamParser]] = {p.name: p for p in (XmlToolCalls, JsonToolCalls)}
 
 
+@dataclass
+class ToolUse:
+    """A chat request's tools, as every door reads them: what the template shows, and how the answer is read
+    (the response's content, after the reasoning, with `opening` before it, through `parser`).
+
+    `parser` None: the response is all content (tool_choice "none"). `forced`: the call the assistant's
+    turn opens with ("" for any function: tool_choice "required"; a name: that function), None when the
+    model chooses. `parallel` False: only the first call is returned."""
+
+    tools: list[dict[str, Any]]
+    parser: type[StreamParser] | None
+    forced: str | None = None
+    parallel: bool = True
+
+    @property
+    def opening(self) -> str:
+        """The server's text that starts the assistant's turn ("" unless a call is forced)."""
+        return "" if self.forced is None or self.parser is None else self.parser.opening(self.forced or None)
+
+    def keeps(self, event: Event) -> bool:
+        """Whether the response shows this event (`parallel` False: calls after the first are dropped)."""
+        return self.parallel or isinstance(event, TextDelta) or event.index == 0
+
+
 def parser_for(chat_template: str | None, override: str | None = None) -> type[StreamParser] | None:
     """The tool-call format of a model: `override` (a name in PARSERS) if given, else the one its chat
     template writes calls in (`<function=` XML, else JSON in `<tool_call>`), else None (no tool support)."""
