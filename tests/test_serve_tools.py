@@ -127,6 +127,27 @@ def test_a_named_tool_choice_opens_the_call_on_the_real_model(client, reference_
     assert streamed.choices[0].finish_reason == out.choices[0].finish_reason
 
 
+def test_a_forced_call_needs_the_template_to_write_calls_in_the_parser_format(reference_tokenizer):
+    """--tool-call-parser hermes on the embedded default (whose template writes XML calls): a named call's
+    hermes opening (`<tool_call>\n{"name": ...`) is not what the template writes, so forcing it is a 400
+    naming tool_choice; "required" opens with `<tool_call>\n`, which the template does write, and what the
+    model writes after it is no hermes call, so it comes back as content; "auto" runs."""
+    proc, url = start_server("--tool-call-parser", "hermes", "--log-level", "warning")
+    try:
+        body = {"messages": HI, "tools": TOOLS, "max_tokens": 4, **OFF}
+        r = post(url, {**body, "tool_choice": {"type": "function", "function": {"name": "sort_digits"}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert "constrained decoding" in r.json()["error"]["message"]
+        r = post(url, {**body, "tool_choice": "required"})
+        message = r.json()["choices"][0]["message"]
+        assert r.status_code == 200 and message["content"].startswith("<tool_call>\n") and "tool_calls" not in message
+        r = post(url, {**body, "tool_choice": "auto"})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(reference_ids(reference_tokenizer,
+                                                                                                  HI))
+    finally:
+        stop_server(proc)
+
+
 def post(url, body):
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
 
