@@ -378,7 +378,8 @@ def _data(obj: Any) -> str:
 
 
 async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: float):
-    """One `data:` chunk per committed block, the finishing chunk, usage if asked, `[DONE]` (SERVING.md 1)."""
+    """One `data:` chunk per committed block (and one per tool-call delta it completes), the finishing chunk,
+    usage if asked, `[DONE]` (SERVING.md 1; docs/serving.md, Tool calls)."""
     state, model = request.app.state, request.app.state.options.model_id
     reply = adapter.Reply(sub)
     first, ended = True, False

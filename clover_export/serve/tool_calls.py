@@ -1,6 +1,7 @@
 """Tool calls in the model's own format, parsed from its text, whole or as it streams (docs/serving.md, Tool calls).
 
-Two formats, picked from the chat template (`parser_for`; `--tool-call-parser` overrides):
+Two formats, picked from the chat template (`parser_for`; `--tool-call-parser` overrides); `ToolUse` is a
+request's tools and tool_choice as every API door reads them:
 
 - `qwen3_coder` (Qwen3.6, Qwen3-Coder, and the embedded default's template): XML,
   `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`;
@@ -114,8 +115,7 @@ class StreamParser:
 
     Subclasses read what follows a `<tool_call>` (`_call`)."""
 
-    name = ""
-    openings: tuple[str, ...] = ()
+    name = ""  # the --tool-call-parser name
 
     def __init__(self, tools: list[dict[str, Any]] | None, call_id: Callable[[int], str] = new_call_id):
         self.schemas = schemas(tools)
