@@ -456,7 +456,8 @@ def test_tiny_version_names_the_shipped_weights():
     from clover_export.tiny import TINY_VERSION
 
     weights = {3: "70de262e51eb21142e37d31eafe8eb9e5b605b4000921e780c1771f7717def0d",  # lists of 3-8 digits
-               4: "a60089d31a080a05a3682e1f4f8aefd70349bb64eb06fe8d3821229d96da2676"}  # 1-8 digits
+               4: "a60089d31a080a05a3682e1f4f8aefd70349bb64eb06fe8d3821229d96da2676",  # 1-8 digits
+               5: "a60089d31a080a05a3682e1f4f8aefd70349bb64eb06fe8d3821229d96da2676"}  # 4's, tool template
     shipped = (TRAINED_DIR / "model-00001-of-00001.safetensors").read_bytes()
     assert hashlib.sha256(shipped).hexdigest() == weights.get(TINY_VERSION), "bump TINY_VERSION with the weights"
 

@@ -73,11 +73,15 @@ from clover_export.serve.engine import shutting_down
 @click.option("--prefix-cache-gb", type=click.FloatRange(min=0), default=None,
               help="Memory for the prefix cache's GDN state snapshots, beyond the cache pools "
                    "[default: 4]; finished sequences also stay in idle slots until a request needs one.")
+@click.option("--tool-call-parser", type=click.Choice(["auto", "qwen3_coder", "hermes"]), default="auto",
+              show_default=True,
+              help="How tool calls are read from the model's text: qwen3_coder (Qwen3.6's <function=...> XML), "
+                   "hermes (JSON in <tool_call>), or auto: the format the chat template writes calls in.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 def serve(model, backend, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
           request_timeout, drain_timeout, block_size, dtype, device, log_level, api_key, protect_metrics,
           allowed_origins, prefix_cache, prefix_cache_gb, max_header_bytes, max_headers, header_timeout, body_timeout,
-          max_connections):
+          max_connections, tool_call_parser):
     """Serve MODEL over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
     MODEL is a model folder, an exported artifact (ort), an engine (trt), or
@@ -104,7 +108,7 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
                         api_key=api_key, protect_metrics=protect_metrics,
                         allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
-                        prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb,
+                        prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb, tool_call_parser=tool_call_parser,
                         connections=ConnectionLimits(max_header_bytes=max_header_bytes, max_headers=max_headers,
                                                      header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                                      max_connections=max_connections))

@@ -6,10 +6,11 @@ rendered in Jinja's immutable sandbox, since templates come with downloaded
 models: any access to an unsafe attribute (`__class__`, `append`, ...) is
 refused with a CloverError instead of rendering as empty.
 
-Message text is text: a control-token string in a message (`<|im_end|>`,
-`<think>`, any added token) is tokenised as the characters it is, while the
-template's own markers stay tokens (`apply_chat_template`; docs/serving.md,
-Message text and control tokens).
+Message text is text: a control-token string in a message or a tool
+definition (`<|im_end|>`, `<think>`, any added token) is tokenised as the
+characters it is, while the template's own markers stay tokens
+(`apply_chat_template`; docs/serving.md, Message text and control tokens).
+`tools` reach the template as Hugging Face's `apply_chat_template` passes them.
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ def _token_text(value: Any) -> str | None:
 
 
 def _strings(value: Any):
-    """Every string in a JSON-like value (dict values and list items, at any depth)."""
+    """Every string in a JSON-like value (dict keys and values, list items, at any depth)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
-        for v in value.values():
+        for k, v in value.items():
+            yield from _strings(k)
             yield from _strings(v)
     elif isinstance(value, list):
         for v in value:
@@ -65,11 +67,12 @@ def _strings(value: Any):
 
 
 def _map_strings(value: Any, fn) -> Any:
-    """A copy of a JSON-like value with `fn` applied to every string in it (dict keys stay)."""
+    """A copy of a JSON-like value with `fn` applied to every string in it, dict keys too (a tool call's
+    argument names are written into the prompt)."""
     if isinstance(value, str):
         return fn(value)
     if isinstance(value, dict):
-        return {k: _map_strings(v, fn) for k, v in value.items()}
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
     if isinstance(value, list):
         return [_map_strings(v, fn) for v in value]
     return value
@@ -143,7 +146,10 @@ class ChatTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
     # --- chat template --------------------------------------------------------
-    def render(self, messages: list[dict[str, Any]], enable_thinking: bool = True, **extra: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], enable_thinking: bool = True,
+               tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:
+        """The chat template's text for `messages` with the generation prompt; `tools` as Hugging Face passes
+        them (the template sees `tools`, None when there are none)."""
         if self.template is None:
             raise CloverError("tokenizer", "this model folder has no chat template",
                               "pass raw text (--raw) or prompt ids, or add chat_template.jinja")
@@ -153,6 +159,7 @@ class ChatTokenizer:
             "messages": messages, "add_generation_prompt": True, "enable_thinking": enable_thinking,
             "bos_token": _token_text(self.config.get("bos_token")) or "",
             "eos_token": _token_text(self.config.get("eos_token")) or "",
+            "tools": tools,
             **extra,
         }
         try:
@@ -163,18 +170,23 @@ class ChatTokenizer:
         except TemplateError as e:
             raise CloverError("tokenizer", f"chat template failed: {e}") from None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], enable_thinking: bool = True, **extra) -> list[int]:
-        """The chat prompt's token ids, every string of `messages` as text (docs/serving.md, Message text and
-        control tokens). Messages without a control-token string are their rendered text's tokens, as the
-        library encodes it. Otherwise each such string is swapped for a private-use stand-in character while
-        the template renders, so the template's own markers are the only control tokens left in the text;
-        those become their tokens, and the text between them, the strings put back, goes through the
-        tokenizer without its added tokens, where no string is a control token."""
-        stand_ins = self._stand_ins(messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], enable_thinking: bool = True,
+                            tools: list[dict[str, Any]] | None = None, assistant_prefix: str = "",
+                            **extra) -> list[int]:
+        """The chat prompt's token ids, every string of `messages` and `tools` as text (docs/serving.md,
+        Message text and control tokens). `assistant_prefix`: the server's own text that starts the
+        assistant's turn (a forced tool call's opening), appended to the rendered prompt before tokenising.
+        Without a control-token string the ids are the rendered text's tokens, as the library encodes it.
+        Otherwise each such string is swapped for a private-use stand-in character while the template
+        renders, so the template's own markers are the only control tokens left in the text; those become
+        their tokens, and the text between them, the strings put back, goes through the tokenizer without
+        its added tokens, where no string is a control token."""
+        stand_ins = self._stand_ins([messages, tools])
         if not stand_ins:
-            return self.encode(self.render(messages, enable_thinking, **extra))
-        guarded = _map_strings(messages, lambda s: self._control.sub(lambda m: stand_ins[m.group()], s))
-        text = self.render(guarded, enable_thinking, **extra)
+            return self.encode(self.render(messages, enable_thinking, tools, **extra) + assistant_prefix)
+        guard = lambda s: self._control.sub(lambda m: stand_ins[m.group()], s)  # noqa: E731
+        text = self.render(_map_strings(messages, guard), enable_thinking, _map_strings(tools, guard), **extra)
+        text += assistant_prefix
         restore = str.maketrans({c: t for t, c in stand_ins.items()})
         ids, start = [], 0
         enc = self.tok.encode(text, add_special_tokens=False)

@@ -12,6 +12,7 @@ into OpenAI bodies. Decoding itself stays in the runtime.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 import uuid
@@ -19,7 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clover_export.core.errors import CloverError
-from clover_export.serve.protocol import ApiError, ChatRequest, CommonParams, CompletionRequest, refuse, show
+from clover_export.serve import tool_calls
+from clover_export.serve.protocol import (
+    MAX_TOOL_CHARS,
+    ApiError,
+    ChatRequest,
+    CommonParams,
+    CompletionRequest,
+    refuse,
+    show,
+)
+from clover_export.serve.tool_calls import ToolUse
 
 THINK_END = "</think>"
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort", "error": "error"}
@@ -48,6 +59,7 @@ class Submission:
     include_usage: bool = False
     logit_bias: dict[str, float] | None = None  # checked against the vocabulary by prepare
     decoding: str | None = None  # the decoding mode it runs with (the request's or the model's default), set by prepare
+    tools: ToolUse | None = None  # chat with tools: shown to the template, calls read from the answer
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -73,26 +85,62 @@ def _include_usage(req: CommonParams) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-def chat_submission(req: ChatRequest, default_thinking: bool) -> Submission:
+def chat_submission(req: ChatRequest, default_thinking: bool,
+                    tool_parser: type[tool_calls.StreamParser] | None = None) -> Submission:
+    """`tool_parser`: the model's tool-call format (tool_calls.parser_for), None when it has none."""
     if req.logprobs:
         raise refuse("logprobs", "is not supported")
     if req.top_logprobs is not None:
         raise refuse("top_logprobs", "is not supported")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise refuse("response_format", "must be {\"type\": \"text\"}")
-    if req.tools:
-        raise refuse("tools", "is not supported (no tool calling)")
-    if req.tool_choice not in (None, "none"):
-        raise refuse("tool_choice", "is not supported (no tool calling)")
+    tools = _tool_use(req, tool_parser)
     kw = _sampling(req)
     if req.max_completion_tokens is not None:
         kw["max_new_tokens"] = req.max_completion_tokens
     thinking = default_thinking
     if req.chat_template_kwargs and req.chat_template_kwargs.enable_thinking is not None:
         thinking = kw["enable_thinking"] = req.chat_template_kwargs.enable_thinking
+    if tools is not None and tools.forced is not None:  # the call opens the turn: no reasoning before it
+        if req.chat_template_kwargs and req.chat_template_kwargs.enable_thinking:
+            raise refuse("tool_choice", "forces a call, which opens the assistant's turn, so it cannot be combined "
+                                        "with enable_thinking: true (that needs constrained decoding)")
+        thinking = kw["enable_thinking"] = False
     messages = [_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
     return Submission(_drop_none(kw), chat=True, thinking=thinking, messages=messages, stream=bool(req.stream),
-                      include_usage=_include_usage(req), logit_bias=req.logit_bias)
+                      include_usage=_include_usage(req), logit_bias=req.logit_bias, tools=tools)
+
+
+def _tool_use(req: ChatRequest, parser: type[tool_calls.StreamParser] | None) -> ToolUse | None:
+    """The request's tools and tool_choice (docs/serving.md, Tool calls), or None without tools. A 400 naming
+    the field: a tool's JSON over MAX_TOOL_CHARS, two tools of one name, a tool_choice naming no tool or
+    asking for a call without tools, tools (other than with "none") on a model whose template has none."""
+    choice = req.tool_choice
+    named = choice.function.name if not isinstance(choice, str) and choice is not None else None
+    if not req.tools:
+        if choice in ("required",) or named is not None:
+            raise refuse("tool_choice", f"is {show(named or choice)}, but the request has no tools")
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    names = set()
+    for i, tool in enumerate(tools):
+        size = len(json.dumps(tool, ensure_ascii=False))
+        if size > MAX_TOOL_CHARS:
+            raise refuse(f"tools[{i}]", f"is {size} characters of JSON, more than {MAX_TOOL_CHARS}")
+        name = tool["function"]["name"]
+        if name in names:
+            raise refuse(f"tools[{i}].function.name", f"repeats the name {show(name)} of an earlier tool")
+        names.add(name)
+    if named is not None and named not in names:
+        raise refuse("tool_choice", f"names the function {show(named)}, which is not among the tools "
+                                    f"({', '.join(sorted(names))})")
+    if choice == "none":
+        return ToolUse(tools, None)
+    if parser is None:
+        raise refuse("tools", "cannot be used: this model's chat template has no tool calls (serve it with "
+                              "--tool-call-parser to read calls in a known format)")
+    forced = named if named is not None else "" if choice == "required" else None
+    return ToolUse(tools, parser, forced, req.parallel_tool_calls is not False)
 
 
 def _message(m: dict[str, Any], i: int) -> dict[str, Any]:
@@ -102,7 +150,31 @@ def _message(m: dict[str, Any], i: int) -> dict[str, Any]:
             raise refuse(f"messages[{i}].content", "may only hold text parts ({\"type\": \"text\", \"text\": ...})")
         m["content"] = "".join(p["text"] for p in content)
     m.setdefault("content", "")
+    if "tool_calls" in m:
+        m["tool_calls"] = _history_calls(m["tool_calls"], f"messages[{i}].tool_calls")
     return m
+
+
+def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls, for the chat template: OpenAI's `arguments` (a JSON object as
+    text) as the object itself, as Qwen's templates iterate it (vLLM does the same)."""
+    if not isinstance(calls, list):
+        raise refuse(where, "must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise refuse(f"{where}[{j}].function.name", "must be the called function's name (a string)")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except (ValueError, RecursionError):
+                args = None
+        if not isinstance(args, dict):
+            raise refuse(f"{where}[{j}].function.arguments", "must be a JSON object written as a string")
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 def completion_submission(req: CompletionRequest) -> Submission:
@@ -159,15 +231,19 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
         raise api_error(e, sub.chat) from None
     sub.decoding = settings.decoding
     if sub.ids is None:
-        text = sub.text if sub.text is not None else _render(gen, sub.messages, settings.enable_thinking)
+        text = sub.text if sub.text is not None else _render(gen, sub, settings.enable_thinking)
         limit = gen.max_context * chars_per_token(gen.tokenizer)
         if len(text) > limit:
             raise ApiError(400, f"the prompt has {len(text)} characters, more than a context of {gen.max_context} "
                                 f"tokens can hold (at most {limit} characters); shorten it",
                            param=sub.prompt_field, code="context_length_exceeded")
     try:  # the runtime's own tokenisation and checks (empty prompt, ids outside the vocabulary)
-        ids = gen.prompt_ids(sub.text, sub.messages, sub.ids, raw=sub.text is not None,
-                             enable_thinking=settings.enable_thinking)
+        if sub.messages is not None and sub.tools is not None:
+            ids = gen.prompt_ids(prompt_ids=gen.tokenizer.apply_chat_template(
+                sub.messages, settings.enable_thinking, tools=sub.tools.tools, assistant_prefix=sub.tools.opening))
+        else:
+            ids = gen.prompt_ids(sub.text, sub.messages, sub.ids, raw=sub.text is not None,
+                                 enable_thinking=settings.enable_thinking)
     except CloverError as e:
         raise ApiError(400, f"{sub.prompt_field}: {e.message}", param=sub.prompt_field) from None
     from clover_export.runtime.generator import context_needed  # torch: imported once an engine exists
@@ -194,14 +270,42 @@ def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
         raise refuse("logit_bias", "is not supported (only {} or null)")
 
 
-def _render(gen, messages: list[dict[str, Any]], enable_thinking: bool) -> str:
-    """The chat template on the client's messages; any failure is the messages' (400 naming them)."""
+def _render(gen, sub: Submission, enable_thinking: bool) -> str:
+    """The chat template on the client's messages (and tools), with a forced call's opening after it; any
+    failure is the messages' (400 naming them)."""
+    tools = sub.tools.tools if sub.tools is not None else None
+    text = _template(gen, sub.messages, enable_thinking, tools)
+    if sub.tools is not None and sub.tools.opening:
+        _check_opening(gen, sub, enable_thinking, text)
+        text += sub.tools.opening
+    return text
+
+
+def _template(gen, messages: list[dict[str, Any]], enable_thinking: bool, tools: list | None) -> str:
     try:
-        return gen.tokenizer.render(messages, enable_thinking)
+        return gen.tokenizer.render(messages, enable_thinking, tools=tools)
     except CloverError as e:
         raise refuse("messages", f"cannot be rendered by the chat template: {e.message}") from None
     except Exception as e:  # noqa: BLE001 - a template meeting values it did not expect (extra fields)
         raise refuse("messages", f"cannot be rendered by the chat template: {type(e).__name__}: {e}") from None
+
+
+def _check_opening(gen, sub: Submission, enable_thinking: bool, prompt: str) -> None:
+    """A forced call starts the assistant's turn with the opening the template itself writes for such a call
+    (rendered: the same messages and one more assistant turn calling the function), else a 400: forcing it
+    would show the model a turn its template never writes; that needs constrained decoding."""
+    use = sub.tools
+    name = use.forced or use.tools[0]["function"]["name"]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": name, "arguments": {}}}]}
+    try:
+        written = gen.tokenizer.render(sub.messages + [call], enable_thinking, tools=use.tools)
+    except Exception:  # noqa: BLE001 - a template that cannot write the call cannot be forced into one either
+        written = ""
+    if written.count(use.opening) <= prompt.count(use.opening):
+        raise refuse("tool_choice", f"forces a call, but this model's chat template does not write calls as the "
+                                    f"{use.parser.name} format opens them; forcing one needs constrained "
+                                    "decoding, which this server does not do yet")
 
 
 def _too_long(gen, sub: Submission, prompt_tokens: int, max_tokens: int, need: int) -> ApiError:
@@ -291,12 +395,79 @@ def forwards(res) -> int:
     return int(given) if given is not None else res.denoise_steps
 
 
+class Reply:
+    """The deltas of a growing response (reasoning, content, OpenAI tool-call deltas); joined, they are
+    `parts` of the whole text (docs/serving.md, Tool calls).
+
+    The content (after the reasoning, stripped as TextSplit strips it) goes through the request's tool-call
+    parser, a forced call's opening first; the content outside the calls is stripped once more."""
+
+    def __init__(self, sub: Submission):
+        self.split = TextSplit(sub.thinking, strip=sub.chat)
+        use = sub.tools if sub.tools is not None and sub.tools.parser is not None else None
+        self.use, self.parser = use, use.parser(use.tools) if use else None
+        self.clip = TextSplit(False)
+        self.pending = use.opening if use else ""
+        self.calls = 0  # calls shown so far
+
+    def push(self, delta: str, final: bool) -> list[tuple[str, str, dict[str, Any] | None]]:
+        """The deltas `delta` decides, in order: (reasoning, content, None) and ("", "", a tool-call delta)
+        items; at least one item (the first carries the reasoning)."""
+        reasoning, content = self.split.push(delta, final)
+        if self.parser is None:
+            return [(reasoning, content, None)]
+        events = self.parser.feed(self.pending + content) + (self.parser.finish() if final else [])
+        self.pending = ""
+        out, text = [], ""
+        for ev in filter(self.use.keeps, events):
+            if isinstance(ev, tool_calls.TextDelta):
+                text += ev.text
+                continue
+            out += self._text(text, False)
+            text = ""
+            out.append(("", "", self._call_delta(ev)))
+        out += self._text(text, final)
+        if not out or out[0][2] is not None:
+            out.insert(0, ("", "", None))
+        return [(reasoning, *out[0][1:])] + out[1:]
+
+    def _text(self, text: str, final: bool) -> list[tuple[str, str, None]]:
+        shown = self.clip.push(text, final)[1]
+        return [("", shown, None)] if shown else []
+
+    def _call_delta(self, ev) -> dict[str, Any]:
+        """OpenAI's streamed tool call: index, id, type and name first (arguments ""), then argument pieces."""
+        if isinstance(ev, tool_calls.CallStart):
+            self.calls += 1
+            return {"index": ev.index, "id": ev.id, "type": "function",
+                    "function": {"name": ev.name, "arguments": ""}}
+        return {"index": ev.index, "function": {"arguments": ev.fragment}}
+
+    def parts(self, text: str) -> tuple[str, str, list[dict[str, Any]]]:
+        """The whole response: (reasoning, content, tool calls in OpenAI's shape)."""
+        reasoning, content = self.split.parts(text)
+        if self.parser is None:
+            return reasoning, content, []
+        content, calls = self.parser.parse(self.use.opening + content, self.use.tools)
+        calls = calls if self.use.parallel else calls[:1]
+        self.calls = len(calls)
+        return reasoning, content.strip(), [c.openai() for c in calls]
+
+    def finish_reason(self, reason: str) -> str:
+        """OpenAI's finish_reason: "tool_calls" when the model stopped after calling tools."""
+        finish = FINISH_REASONS.get(reason, reason)
+        return "tool_calls" if self.calls and finish == "stop" else finish
+
+
 def response(sub: Submission, model: str, res) -> dict[str, Any]:
     """The non-streaming body of a finished request."""
-    finish = FINISH_REASONS.get(res.finish_reason, res.finish_reason)
-    reasoning, content = TextSplit(sub.thinking, strip=sub.chat).parts(res.text)
+    reply = Reply(sub)
+    reasoning, content, calls = reply.parts(res.text)
+    finish = reply.finish_reason(res.finish_reason)
     if sub.chat:
-        message = {"role": "assistant", "content": content}
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
         if sub.thinking:
             message["reasoning_content"] = reasoning
         choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
@@ -309,14 +480,17 @@ def response(sub: Submission, model: str, res) -> dict[str, Any]:
 
 
 def chunk(sub: Submission, model: str, reasoning: str = "", content: str = "", finish: str | None = None,
-          first: bool = False, res=None) -> dict[str, Any]:
-    """One streaming chunk: a block's deltas, the finishing chunk, or (res given) the usage chunk."""
+          first: bool = False, res=None, tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streaming chunk: a block's deltas, one tool-call delta, the finishing chunk, or (res given) the
+    usage chunk."""
     if sub.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if content or first:
             delta["content"] = content
         if reasoning:
             delta["reasoning_content"] = reasoning
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
         choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
         kind, prefix = "chat.completion.chunk", "chatcmpl-"
     else:

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH
-from clover_export.serve import adapter, doors, protocol
+from clover_export.serve import adapter, doors, protocol, tool_calls
 from clover_export.serve.connections import ConnectionLimits, body_timed_out
 from clover_export.serve.doors.common import Call, Outcome, Pieces, matched_stop, renamed, sse
 from clover_export.serve.engine import Engine, Event, Full, Job
@@ -65,6 +65,7 @@ class ServeOptions:
     prefix_cache: bool = True  # reuse earlier requests' caches (docs/prefix_cache.md)
     prefix_cache_gb: float | None = None  # snapshot memory of the prefix cache; None: the runtime's default
     connections: ConnectionLimits = ConnectionLimits()  # request heads, slow clients, open connections
+    tool_call_parser: str | None = None  # a tool_calls.PARSERS name; None or "auto": from the chat template
 
     @property
     def model_id(self) -> str:
@@ -278,7 +279,11 @@ def _check_request(request: Request, body: bytes, chat: bool) -> tuple[adapter.S
     except ValidationError as e:
         raise protocol.validation_error(e, data) from None
     _check_model(request, req.model)
-    sub = adapter.chat_submission(req, gen.defaults.enable_thinking) if chat else adapter.completion_submission(req)
+    if chat:
+        parser = tool_calls.parser_for(gen.tokenizer.template_source, request.app.state.options.tool_call_parser)
+        sub = adapter.chat_submission(req, gen.defaults.enable_thinking, parser)
+    else:
+        sub = adapter.completion_submission(req)
     return sub, adapter.prepare(gen, sub)
 
 
@@ -389,9 +394,10 @@ def _data(obj: Any) -> str:
 
 
 async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: float):
-    """One `data:` chunk per committed block, the finishing chunk, usage if asked, `[DONE]` (SERVING.md 1)."""
+    """One `data:` chunk per committed block (and one per tool-call delta it completes), the finishing chunk,
+    usage if asked, `[DONE]` (SERVING.md 1; docs/serving.md, Tool calls)."""
     state, model = request.app.state, request.app.state.options.model_id
-    split = adapter.TextSplit(sub.thinking, strip=sub.chat)
+    reply = adapter.Reply(sub)
     first, ended = True, False
     try:
         while True:
@@ -402,14 +408,17 @@ async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: fl
             except ClientGone:
                 return
             if ev.kind == "block":
-                reasoning, content = split.push(ev.value.text, ev.value.finished)
-                yield _data(adapter.chunk(sub, model, reasoning, content, first=first))
-                first = False
+                for reasoning, content, call in reply.push(ev.value.text, ev.value.finished):
+                    yield _data(adapter.chunk(sub, model, reasoning, content, first=first, tool_call=call))
+                    first = False
             elif ev.kind == "done":
                 res = ev.value
-                reasoning, content = split.push("", True)
-                finish = adapter.FINISH_REASONS.get(res.finish_reason, res.finish_reason)
-                yield _data(adapter.chunk(sub, model, reasoning, content, finish=finish, first=first))
+                *deltas, (reasoning, content, call) = reply.push("", True)
+                for r, c, t in deltas:
+                    yield _data(adapter.chunk(sub, model, r, c, first=first, tool_call=t))
+                    first = False
+                finish = reply.finish_reason(res.finish_reason)
+                yield _data(adapter.chunk(sub, model, reasoning, content, finish=finish, first=first, tool_call=call))
                 if sub.include_usage:
                     yield _data(adapter.chunk(sub, model, res=res))
                 yield "data: [DONE]\n\n"

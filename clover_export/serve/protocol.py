@@ -35,6 +35,9 @@ MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages[i].content[j].text); 
 MAX_STOP = 16  # stop strings a request may give (OpenAI: 4); the engine searches each one every block
 MAX_MESSAGES = 2048  # OpenAI's limit on `messages`; here also on the text parts of all messages together
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits on `metadata`
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
+MAX_TOOL_CHARS = 64 << 10  # one tool's definition as JSON text: it is written into every prompt
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's function names (so a name never holds markup)
 
 
 class ApiError(Exception):
@@ -159,6 +162,10 @@ def check_counts(data: dict[str, Any], max_context: int) -> None:
                 raise ApiError(400, f"'messages[{i}].content' brings the content parts of all messages to {parts}, "
                                     f"more than {MAX_MESSAGES}", param=f"messages[{i}].content",
                                code="array_above_max_length")
+    tools = data.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"'tools' holds {len(tools)} tools, more than {MAX_TOOLS} (OpenAI's limit)", param="tools",
+                       code="array_above_max_length")
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) > max_context:
         raise ApiError(400, f"'prompt' holds {len(prompt)} items, more than the model's context of {max_context} "
@@ -337,15 +344,40 @@ class Message(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: Annotated[str, StringConstraints(pattern=TOOL_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object
+    strict: bool | None = None  # accepted; arguments follow the schema only as well as the model writes them
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatRequest(CommonParams):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: ranged("max_completion_tokens") = None
     logprobs: bool | None = None  # refused when true
     top_logprobs: int | None = None  # refused unless null
     response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
-    tools: list[dict[str, Any]] | None = None  # refused unless empty
-    tool_choice: str | dict[str, Any] | None = None  # refused unless "none"
-    parallel_tool_calls: bool | None = None  # ignored (no tools)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # each one's size: the adapter
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
@@ -357,8 +389,7 @@ class CompletionRequest(CommonParams):
     suffix: str | None = None  # refused unless null
 
 
-IGNORED = ("user", "store", "service_tier", "metadata", "parallel_tool_calls",
-           "stream_options.continuous_usage_stats")
+IGNORED = ("user", "store", "service_tier", "metadata", "stream_options.continuous_usage_stats")
 
 
 # --- pydantic errors, as the client wrote the body -----------------------------------------------------------

@@ -24,21 +24,73 @@ THINK_END = "</think>"
 VOCAB_SIZE = 512
 MODEL_MAX_LENGTH = 2048
 
-# Qwen3-style ChatML. Only `{%- -%}` tags and expressions, so the output is the
-# same with or without trim_blocks/lstrip_blocks (Hugging Face enables both).
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "{{- '<|im_start|>assistant\\n' -}}\n"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}\n"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}\n"
-    "{%- else -%}\n"
-    "{{- '<think>\\n' -}}\n"
-    "{%- endif -%}\n"
-    "{%- endif -%}\n"
-)
+# Qwen3-style ChatML with Qwen3.6's tool section: `tools` listed in a system turn before the messages (the first
+# system message's text after them), an assistant's `tool_calls` written as `<tool_call>` / `<function=NAME>` /
+# `<parameter=KEY>` XML after its content, `tool` messages as `<tool_response>` blocks of one user turn.
+# Without tools and tool messages it renders plain ChatML. Only `{%- -%}` tags and expressions, so the output
+# is the same with or without trim_blocks/lstrip_blocks (Hugging Face enables both).
+CHAT_TEMPLATE = r"""{%- if tools -%}
+{{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}
+{%- for tool in tools -%}
+{{- '\n' + (tool | tojson) -}}
+{%- endfor -%}
+{{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n'
+    + '<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n'
+    + '<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n'
+    + '</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the '
+    + 'specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> '
+    + 'XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function '
+    + 'call in natural language BEFORE the function call, but NOT after\n- If there is no function call '
+    + 'available, answer the question like normal with your current knowledge and do not tell the user about '
+    + 'function calls\n</IMPORTANT>' -}}
+{%- if messages[0]['role'] == 'system' and messages[0]['content'] | trim -%}
+{{- '\n\n' + messages[0]['content'] | trim -}}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message['role'] == 'tool' -%}
+{%- if loop.first or loop.previtem['role'] != 'tool' -%}
+{{- '<|im_start|>user' -}}
+{%- endif -%}
+{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' -}}
+{%- if loop.last or loop.nextitem['role'] != 'tool' -%}
+{{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- elif not (tools and loop.first and message['role'] == 'system') -%}
+{{- '<|im_start|>' + message['role'] + '\n' + message['content'] -}}
+{%- if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}
+{%- for tool_call in message['tool_calls'] -%}
+{%- set call = tool_call['function'] if tool_call['function'] is defined else tool_call -%}
+{%- if not loop.first -%}
+{{- '\n' -}}
+{%- elif message['content'] | trim -%}
+{{- '\n\n' -}}
+{%- endif -%}
+{{- '<tool_call>\n<function=' + call['name'] + '>\n' -}}
+{%- if call['arguments'] is mapping -%}
+{%- for name in call['arguments'] -%}
+{%- set value = call['arguments'][name] -%}
+{{- '<parameter=' + name + '>\n' -}}
+{{- (value | tojson) if value is mapping or (value is sequence and value is not string) else (value | string) -}}
+{{- '\n</parameter>\n' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '</function>\n</tool_call>' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}
+{{- '<think>\n\n</think>\n\n' -}}
+{%- else -%}
+{{- '<think>\n' -}}
+{%- endif -%}
+{%- endif -%}
+"""
 
 _WORDS = ("cat dog tree house river stone light water apple music green table "
           "paper robot model token number answer list word order small").split()
