@@ -143,6 +143,15 @@ def test_json_object_walks_give_compact_json_objects(compiler):
         assert_compact(text)
 
 
+def test_a_schema_cannot_turn_whitespace_back_on(compiler, vocab):
+    schema = {"x-guidance": {"whitespace_flexible": True, "whitespace_pattern": "[ \\n]{0,50}"},
+              "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    m = compiler.compile(json_schema(schema)).matcher()
+    assert m.accept(vocab.tokenizer.tokenize_str("{")[0])
+    spaces = [t for t in range(VOCAB_SIZE) if vocab.tokenizer.decode_str([t]).isspace()]
+    assert spaces and not any(m.allowed(t) for t in spaces)
+
+
 def test_a_pydantic_model_schema_as_the_openai_client_sends_it(compiler):
     pydantic = pytest.importorskip("pydantic")
     from typing import Literal, Optional
