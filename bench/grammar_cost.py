@@ -3,7 +3,12 @@ step on the CPU, measured on random walks through the mask.
 
     python bench/grammar_cost.py                        # the embedded default's tokenizer (512 ids)
     python bench/grammar_cost.py --model-dir DIR --vocab-size N --end-ids 151645,151643
+    python bench/grammar_cost.py --synthetic 151669 --vocab-size 151936   # a Qwen-sized vocabulary
     python bench/grammar_cost.py --json out.json
+
+`--synthetic N` stands in for a full-size tokenizer where none is at hand: a byte-level BPE vocabulary of N
+pieces (the 256 bytes, then random letter, digit, space and punctuation pieces of 2-10 characters, the tiny
+tokenizer's special tokens), so mask sizes and the engine's token trie have the real model's scale.
 
 For each spec (a JSON object, a nested JSON schema, two tools in the Qwen3.6 XML format): compile time (cold,
 then a cache hit), a request's matcher (a copy of the compiled start state), and per step: the mask fill,
@@ -52,6 +57,29 @@ SPECS = {
 STRUCTURE = set('"{}[],:') | {"\n</"}
 
 
+def synthetic_model_dir(size: int, seed: int = 0) -> Path:
+    """A folder with a byte-level BPE tokenizer.json of `size` ids (module docstring)."""
+    import string
+    import tempfile
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = list(special_token_ids())
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    pieces, rng = dict.fromkeys(sorted(alphabet)), random.Random(seed)
+    chars = string.ascii_letters + string.digits + "Ġ" * 8 + "{}[]\":,.-_'"
+    while len(pieces) < size - len(specials):
+        pieces.setdefault("".join(rng.choice(chars) for _ in range(rng.randint(2, 10))))
+    vocab = {t: i for i, t in enumerate([*specials, *pieces])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    out = Path(tempfile.mkdtemp(prefix="grammar-cost-"))
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
 def ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1e3
 
@@ -62,20 +90,27 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def walk_costs(grammar, seed: int, costs: dict[str, list[float]], max_steps: int = 400) -> int:
-    """One random walk; appends each step's fill, accept and one-row mask times. Returns its steps."""
-    vocab, rng = grammar.vocab, random.Random(seed)
+def closing_ids(vocab) -> torch.Tensor:
+    """[vocab_size] bool: the end tokens and the tokens that hold a character closing a JSON or XML value."""
+    out = torch.zeros(vocab.vocab_size, dtype=torch.bool)
+    for t in range(vocab.text_size):
+        out[t] = t in vocab.end_ids or any(s in vocab.tokenizer.decode_str([t]) for s in STRUCTURE)
+    return out
+
+
+def walk_costs(grammar, seed: int, costs: dict[str, list[float]], closing_mask: torch.Tensor) -> int:
+    """One random walk (at most 400 steps); appends each step's fill, accept and one-row mask times."""
+    vocab, rng, max_steps = grammar.vocab, random.Random(seed), 400
     matcher, row = grammar.matcher(), allocate_bitmask(1, grammar.vocab)
     logits = torch.randn(1, vocab.vocab_size)
     steps = 0
     while not matcher.is_terminated() and steps < max_steps:
         costs["fill mask"].append(timed(lambda: matcher.fill_mask(row[0])))
         costs["mask logits (1 row)"].append(timed(lambda: apply_bitmask_(logits, row, [0])))
-        allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+        allowed = torch.isfinite(logits[0])
         logits.normal_()
-        closing = [t for t in allowed if t in vocab.end_ids or any(s in vocab.tokenizer.decode_str([t])
-                                                                   for s in STRUCTURE)]
-        token = rng.choice(closing if closing and rng.random() < 0.5 else allowed)
+        closing = (allowed & closing_mask).nonzero().flatten().tolist()
+        token = rng.choice(closing if closing and rng.random() < 0.5 else allowed.nonzero().flatten().tolist())
         costs["accept"].append(timed(lambda: matcher.accept(token)))
         steps += 1
     return steps
@@ -88,12 +123,12 @@ def batch_cost(grammar, rows: int = 8, repeats: int = 50) -> float:
     return ms([timed(lambda: apply_masks_(logits, matchers, bitmask)) for _ in range(repeats)])
 
 
-def measure(compiler: GrammarCompiler, spec: dict) -> dict:
+def measure(compiler: GrammarCompiler, spec: dict, closing_mask: torch.Tensor) -> dict:
     cold = timed(lambda: compiler.compile(spec))
     hit = timed(lambda: compiler.compile(spec))
     grammar = compiler.compile(spec)
     costs = {"fill mask": [], "accept": [], "mask logits (1 row)": []}
-    steps = sum(walk_costs(grammar, seed, costs) for seed in range(20))
+    steps = sum(walk_costs(grammar, seed, costs, closing_mask) for seed in range(20))
     out = {"compile cold ms": cold * 1e3, "compile cache hit ms": hit * 1e3,
            "new matcher ms": ms([timed(grammar.matcher) for _ in range(50)]), "steps": steps}
     out.update({f"{k} ms": ms(v) for k, v in costs.items()})
@@ -107,12 +142,15 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=TRAINED_DIR, help="a folder with tokenizer.json")
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help="the model's vocab size (mask width)")
     ap.add_argument("--end-ids", default=",".join(str(special_token_ids()[t]) for t in END_TOKENS))
+    ap.add_argument("--synthetic", type=int, help="a synthetic byte-level vocabulary of this many ids instead")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    vocab = tokenizer_info(args.model_dir, args.vocab_size, [int(x) for x in args.end_ids.split(",")])
+    model_dir = synthetic_model_dir(args.synthetic) if args.synthetic else args.model_dir
+    vocab = tokenizer_info(model_dir, args.vocab_size, [int(x) for x in args.end_ids.split(",")])
     compiler = GrammarCompiler(vocab)
-    results = {name: measure(compiler, spec) for name, spec in SPECS.items()}
+    closing_mask = closing_ids(vocab)
+    results = {name: measure(compiler, spec, closing_mask) for name, spec in SPECS.items()}
     compiler.close()
     print(f"vocab {args.vocab_size} ids ({vocab.text_size} in the tokenizer), torch {torch.__version__}, "
           f"1 torch thread, {sys.platform}")

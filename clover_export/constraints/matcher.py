@@ -92,12 +92,13 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """logits[rows[k]] = -inf where bitmask[k] refuses, in place; logits: [B, V] on any device."""
+    """logits[rows[k]] = -inf where bitmask[k] refuses, in place; logits: [B, V] on any device. Row by row on
+    views of `logits` (no copy of the batch); on a GPU a fused kernel would do every row in one launch."""
     if not rows:
         return
-    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    allowed = unpack_bitmask(bitmask[:len(rows)].to(logits.device, non_blocking=True), logits.shape[-1])
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+    refused = ~unpack_bitmask(bitmask[:len(rows)].to(logits.device, non_blocking=True), logits.shape[-1])
+    for k, i in enumerate(rows):
+        logits[i].masked_fill_(refused[k], float("-inf"))
 
 
 def apply_masks_(logits: torch.Tensor, matchers: Sequence[Matcher | None], bitmask: torch.Tensor | None = None):
