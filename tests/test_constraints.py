@@ -21,6 +21,7 @@ from clover_export.constraints import (
     GrammarError,
     allocate_bitmask,
     apply_masks_,
+    compile,
     tokenizer_info,
     unpack_bitmask,
 )
@@ -320,6 +321,20 @@ def test_apply_masks_sets_refused_logits_to_minus_inf_on_the_rows_with_a_matcher
 
 
 # --- the compiler: cache, limits, errors --------------------------------------------------------------------
+def test_compile_keeps_one_compiler_and_cache_per_vocabulary(vocab):
+    spec = json_schema(SCHEMAS["top_level_array"])
+    assert compile(spec, vocab) is compile(json.loads(json.dumps(spec)), vocab)
+    assert compile(spec, tokenizer_info(TRAINED_DIR, PADDED, END_IDS)) is not compile(spec, vocab)
+
+
+def test_a_refused_spec_is_refused_again_from_the_cache(compiler):
+    spec = json_schema({"type": "string", "format": "no-such-format"})
+    first = pytest.raises(GrammarError, compiler.compile, spec).value
+    hits = compiler.hits
+    again = pytest.raises(GrammarError, compiler.compile, spec).value
+    assert compiler.hits == hits + 1 and again is not first and again.why == first.why
+
+
 def test_the_same_spec_gives_the_same_compiled_grammar_and_the_cache_is_bounded(vocab):
     c = GrammarCompiler(vocab, cache_size=2)
     try:
@@ -390,6 +405,25 @@ BAD_SPECS = [
     ({"type": "tool_calls", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}}}]},
      "tools[0].function.parameters.properties.when.format", "raw text"),
+    ({"type": "tool_calls", "tools": [TOOLS[2], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "pattern": "(a"}}}}}]},
+     "tools[1].function.parameters.properties.b", "regex"),
+    ({"type": "tool_calls", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}}}}]},
+     "tools[0].function.parameters.properties.s", "0 <= minLength <= maxLength"),
+    ({"type": "tool_calls", "tools": TOOLS, "tool_choice": {"function": "get_weather"}}, "tool_choice", "required"),
+    ({"type": "tool_calls", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"s": {"type": "string", "pattern": 5}}}}}]},
+     "tools[0].function.parameters.properties.s.pattern", "must be a string"),
+    ({"type": "tool_calls", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"s": {"type": "string", "enum": "abc"}}}}}]},
+     "tools[0].function.parameters.properties.s.enum", "must be a list"),
+    ({"type": "tool_calls", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"s": {"type": "integer"}}, "required": [{"s": 1}]}}}]},
+     "tools[0].function.parameters.required", "must list names"),
+    ({"type": "tool_calls", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": ["s"]}}}]}, "tools[0].function.parameters.properties", "must be an object"),
+    ({"type": "json_object", "extra": {1, 2}}, "response_format", "is not JSON"),
     ({"type": "tool_calls", "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
      "tools", "129 functions, more than the limit of 128"),
 ]

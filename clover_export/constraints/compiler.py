@@ -82,8 +82,8 @@ def spec_key(spec: Any, limits: CompileLimits) -> str:
     field = spec_field(spec)
     try:
         text = json.dumps(spec, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise GrammarError(field, f"is not JSON ({e})") from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise GrammarError(field, f"is not JSON ({str(e)[:100]})") from None
     if len(text.encode()) > limits.spec_bytes:
         raise GrammarError(field, f"is {len(text.encode())} bytes of JSON, more than the limit of "
                                   f"{limits.spec_bytes}")
@@ -123,6 +123,8 @@ class GrammarCompiler:
         future = self._future(spec_key(spec, self.limits), spec)
         try:
             return future.result(timeout=self.limits.seconds)
+        except GrammarError as e:  # a fresh one: re-raising the cached instance would grow its traceback
+            raise GrammarError(e.field, e.why) from None
         except FutureTimeout:
             raise GrammarError(spec_field(spec), f"did not compile within {self.limits.seconds:g} s "
                                                  "(simplify the schema)") from None

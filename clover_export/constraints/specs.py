@@ -56,19 +56,22 @@ def _object(value: Any, field: str) -> dict:
     return value
 
 
-def json_grammar(schema: dict) -> str:
+def json_grammar(schema: dict, field: str) -> str:
     """The engine's grammar for a JSON schema, compact."""
     schema = {k: v for k, v in schema.items() if k != "x-guidance"}
-    return engine().LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT)
+    try:
+        return engine().LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT)
+    except ValueError as e:
+        raise GrammarError(field, str(e).strip().splitlines()[0][:200]) from None
 
 
 def _response_format_source(spec: dict) -> Source:
     if spec["type"] == "json_object":
-        return Source(json_grammar({"type": "object"}), "response_format")
+        return Source(json_grammar({"type": "object"}, "response_format"), "response_format")
     body = _object(spec.get("json_schema"), "response_format.json_schema")
     field = "response_format.json_schema.schema"
     schema = _object(body.get("schema", {}), field)  # absent: any JSON value, as OpenAI
-    return Source(json_grammar(schema), field)
+    return Source(json_grammar(schema, field), field)
 
 
 def grammar_source(spec: Any) -> Source:
@@ -119,13 +122,17 @@ def _raw_terminal(schema: dict, field: str) -> str:
     if "format" in schema:
         raise GrammarError(f"{field}.format", "is not supported for a string parameter (written as raw text)")
     values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
+    if values is not None and not isinstance(values, list):
+        raise GrammarError(f"{field}.enum", "must be a list")
     if values is not None:
         return " | ".join(_literal(str(v) + PARAM_END) for v in values)
     lo, hi = schema.get("minLength", 0), schema.get("maxLength", "")
-    if not isinstance(lo, int) or not isinstance(hi, (int, str)):
-        raise GrammarError(field, "minLength and maxLength must be integers")
+    if not isinstance(lo, int) or not isinstance(hi, (int, str)) or (isinstance(hi, int) and not 0 <= lo <= hi):
+        raise GrammarError(field, "minLength and maxLength must be integers, 0 <= minLength <= maxLength")
     value = f"/(?s:.){{{lo},{hi}}}/"
     if "pattern" in schema:
+        if not isinstance(schema["pattern"], str):
+            raise GrammarError(f"{field}.pattern", "must be a string")
         value += f" & /{_anchored(schema['pattern'])}/"
     return f'(({value}) "\\n</parameter>\\n") & ~/(?s:.*)\\n<\\/parameter>\\n(?s:.+)/'
 
@@ -136,10 +143,10 @@ def _json_value(schema: dict, defs: dict) -> str:
 
 def _parameters(tool: int, params: dict, field: str) -> tuple[list[str], list[tuple[str, str]]]:
     """Lark lines of one function's parameters (in the schema's order, the required ones always there) and
-    its JSON-valued parameters as (field, grammar) parts."""
+    each parameter's value alone as a (field, grammar) part."""
     props = _object(params.get("properties", {}), f"{field}.properties")
     required = params.get("required", [])
-    if not isinstance(required, list) or not set(required) <= set(props):
+    if not isinstance(required, list) or not all(isinstance(r, str) and r in props for r in required):
         raise GrammarError(f"{field}.required", "must list names of `properties`")
     defs = {k: params[k] for k in REFS if k in params}
     lines, parts, seq = [], [], []
@@ -150,7 +157,9 @@ def _parameters(tool: int, params: dict, field: str) -> tuple[list[str], list[tu
         schema = _object(schema, where)
         name, tag = f"p_{tool}_{j}", _literal(f"<parameter={key}>" + "\n")
         if is_raw_text(schema):
-            lines += [f"{name}: {tag} RAW_{tool}_{j}", f"RAW_{tool}_{j}: {_raw_terminal(schema, where)}"]
+            terminal = _raw_terminal(schema, where)
+            lines += [f"{name}: {tag} RAW_{tool}_{j}", f"RAW_{tool}_{j}: {terminal}"]
+            parts.append((where, f"start: RAW\nRAW: {terminal}"))
         else:
             lines.append(f"{name}: {tag} {_json_value(schema, defs)}")
             parts.append((where, f"start: {_json_value(schema, defs)}"))
@@ -177,10 +186,13 @@ def _chosen(tool_choice: Any, names: list[str]) -> list[int]:
     """Indexes of the tools a call may name."""
     if tool_choice == "required":
         return list(range(len(names)))
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if isinstance(name, str) and name in names:
         return [names.index(name)]
-    raise GrammarError("tool_choice", f"must be \"required\" or a function of `tools` (got {json.dumps(tool_choice)})")
+    shown = json.dumps(tool_choice)
+    shown = shown if len(shown) <= 60 else shown[:60] + "..."
+    raise GrammarError("tool_choice", f"must be \"required\" or a function of `tools` (got {shown})")
 
 
 def tool_calls_source(spec: dict) -> Source:
