@@ -3,7 +3,9 @@
 A bitmask row is `vocab.mask_words` int32 words; bit t % 32 of word t // 32 allows token t. The engine fills
 rows on the CPU. `apply_bitmask_` sets the refused logits to -inf in place, on the logits' device: on a GPU
 the CPU-filled rows are copied over (pinned, non-blocking: 4 bytes per 32 tokens and row) and unpacked there,
-so the fill can overlap the forward pass; only the rows that carry a grammar are touched.
+so the fill can overlap the forward pass; only the rows that carry a grammar are touched. A pinned bitmask
+must not be refilled before the device has read it: the step's sampled tokens coming back to the host
+order that, so a runner keeps one bitmask (`allocate_bitmask` once) and refills it each step.
 """
 
 from __future__ import annotations
