@@ -351,13 +351,13 @@ def test_the_same_spec_gives_the_same_compiled_grammar_and_the_cache_is_bounded(
         c.close()
 
 
-# 4096 branches that the engine multiplies out: ~0.7 s of compile for 2.7 KB of schema
+# 4096 branches that the engine multiplies out: 0.7-2 s of compile (idle to loaded machine) for 2.7 KB of schema
 PATHOLOGICAL = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"k{i}{j}": {"type": "integer"}},
                                       "required": [f"k{i}{j}"]} for j in range(8)]} for i in range(4)]}
 
 
 def test_a_pathological_schema_times_out_naming_the_field_while_another_compile_proceeds(vocab):
-    c = GrammarCompiler(vocab, CompileLimits(seconds=0.2))
+    c = GrammarCompiler(vocab, CompileLimits(seconds=0.1))
     errors, done = [], {}
     slow = threading.Thread(target=lambda: (_capture(errors, c, PATHOLOGICAL), done.setdefault("slow", time.time())))
     try:
@@ -369,7 +369,7 @@ def test_a_pathological_schema_times_out_naming_the_field_while_another_compile_
         assert grammar.matcher().allowed(vocab.tokenizer.tokenize_str("{")[0])
         assert done["fast"] < done["slow"]
         assert len(errors) == 1 and errors[0].field == "response_format.json_schema.schema"
-        assert "did not compile within 0.2 s" in str(errors[0])
+        assert "did not compile within 0.1 s" in str(errors[0])
     finally:
         c.close()
 
