@@ -58,7 +58,8 @@ def test_models_and_the_embedded_default_import_each_other_one_way_only():
 # the layers before it. `tiny` (the embedded default model) sits with `model`; `testing` (fixtures of tests
 # and benchmarks) at the top with `train`.
 LAYERS = (("core",), ("artifact",), ("model", "tiny"), ("plugins",), ("exporter",), ("quantize",), ("tensorrt",),
-          ("backends",), ("verify",), ("pipeline",), ("runtime",), ("serve",), ("cli",), ("train", "testing"))
+          ("backends",), ("verify",), ("pipeline",), ("constraints",),
+          ("runtime",), ("serve",), ("cli",), ("train", "testing"))
 
 
 def layer_of(module: str) -> int:
