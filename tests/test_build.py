@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from clover_export.tensorrt.builder import tensorrt_version
+from clover_export.engines.builder import tensorrt_version
 from clover_export.testing.logs import log_lines
 from clover_export.verify.agreement import FP8_MIN_AGREEMENT
 

@@ -57,7 +57,7 @@ def test_models_and_the_embedded_default_import_each_other_one_way_only():
 # The packages as the pipeline, lowest first (docs/architecture.md): each may import only from itself and
 # the layers before it. `tiny` (the embedded default model) sits with `model`; `testing` (fixtures of tests
 # and benchmarks) at the top with `train`.
-LAYERS = (("core",), ("artifact",), ("model", "tiny"), ("plugins",), ("exporter",), ("quantize",), ("tensorrt",),
+LAYERS = (("core",), ("artifact",), ("model", "tiny"), ("plugins",), ("exporter",), ("quantize",), ("engines",),
           ("backends",), ("verify",), ("pipeline",), ("runtime",), ("serve",), ("cli",), ("train", "testing"))
 
 

@@ -26,8 +26,8 @@ from clover_export.backends.base import StepShape
 from clover_export.core import names
 from clover_export.core.config import config_from_dict, load_config
 from clover_export.core.errors import CloverError
+from clover_export.engines.builder import import_tensorrt
 from clover_export.model.model import StepResult, allocate_pools, with_logit_rows
-from clover_export.tensorrt.builder import import_tensorrt
 
 RUNTIME_NOTE = "install TensorRT 10+ (pip install tensorrt) on a CUDA machine, or use --backend ort/torch"
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
@@ -72,7 +72,7 @@ class TrtBackend:
         self.model_dtype = torch.bfloat16 if manifest.get("dtype", "bf16") == "bf16" else torch.float32
         for lib in manifest.get("plugin_libraries", []):
             ctypes.CDLL(str(folder / lib), mode=ctypes.RTLD_GLOBAL)
-        from clover_export.tensorrt.builder import load_engine
+        from clover_export.engines.builder import load_engine
 
         # one loader for build and runtime: registers the clover:: plugins, refits a weight-stripped plan
         info = manifest.get("engine_info", {})

@@ -66,11 +66,11 @@ def check_inputs(model, out, opts: BuildOptions) -> BuildContext:
     from clover_export.artifact.outdir import claim_dir
     from clover_export.core.checkpoint import locate_tensors, plan_tensors
     from clover_export.core.config import load_config
+    from clover_export.engines.memory_plan import plan_memory
+    from clover_export.engines.memory_plan import shortfall as memory_shortfall
     from clover_export.model.loading import resolve_model_dir
     from clover_export.pipeline.disk_plan import shortfall as disk_shortfall
     from clover_export.pipeline.doctor import engine_blocker
-    from clover_export.tensorrt.memory_plan import plan_memory
-    from clover_export.tensorrt.memory_plan import shortfall as memory_shortfall
 
     problems: list[CloverError] = []
 

@@ -107,7 +107,7 @@ class BuildContext:
     model_dir: Path | None = None
     cfg: object = None  # CloverConfig
     max_context: int | None = None
-    memory: object = None  # tensorrt.memory_plan.MemoryPlan
+    memory: object = None  # engines.memory_plan.MemoryPlan
     disk: object = None  # disk_plan.DiskPlan
     base: tuple = ()  # what every stage key is made from
     keys: dict[str, str] = field(default_factory=dict)  # stage name -> key (`checks.stage_keys`)

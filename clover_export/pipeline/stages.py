@@ -280,9 +280,9 @@ def _engine(graph_name: str, ctx: BuildContext) -> dict | None:
         return None
     from clover_export.artifact.manifest import load_artifact
     from clover_export.core.atomic import atomic_write
+    from clover_export.engines.builder import build_engine
+    from clover_export.engines.profiles import BuildSettings
     from clover_export.exporter.trt_graph import TRT_GRAPH
-    from clover_export.tensorrt.builder import build_engine
-    from clover_export.tensorrt.profiles import BuildSettings
 
     graph = ctx.out / graph_name
     art = load_artifact(graph)

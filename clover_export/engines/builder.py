@@ -13,7 +13,7 @@ from pathlib import Path
 
 from clover_export.core.atomic import atomic_write
 from clover_export.core.errors import CloverError
-from clover_export.tensorrt.profiles import BuildSettings
+from clover_export.engines.profiles import BuildSettings
 
 INSTALL_NOTE = "install the tensorrt wheel matching your CUDA (pip install tensorrt) on a machine with an NVIDIA GPU"
 BROKEN_NOTE = ("the tensorrt package is there but its import failed: check that the TensorRT and CUDA libraries "
@@ -171,9 +171,9 @@ def fp8_builder_flag(trt_version: str, fp8_plugins: bool, strongly_typed: bool, 
 def build_notes(trt_version: str | None, arch: int | None, environ=None) -> list[str]:
     """What the engine build decides for FP8 plugins and the AOT kernels' shared memory, one line each
     (`doctor`; the build logs the same lines for its own graph). Without TensorRT: what 10.x would get."""
+    from clover_export.engines.profiles import BuildSettings
     from clover_export.plugins.trt.plan import shared_memory_note
     from clover_export.plugins.trt.versions import parse_version
-    from clover_export.tensorrt.profiles import BuildSettings
 
     lines = []
     version = trt_version or "10.9"
