@@ -83,7 +83,7 @@ def test_export_writes_the_trt_graph_beside_model_onnx(bf16_export):
     assert len(trt.functions) == 0 and len(full.functions) > 0
     assert art.config.max_context == 2048  # pools of 2048 positions: attention in its split-KV form, 2 splits at most
     want = independent_count(art.config, split=True)
-    assert plugin_nodes(trt) == want and art.manifest["tensorrt"]["plugin_nodes"] == dict(want)
+    assert plugin_nodes(trt) == want and art.manifest.tensorrt.plugin_nodes == dict(want)
     assert expected_plugin_layers(trt) == sum(want.values())
     split = next(n for n in trt.graph.node if n.op_type == "BlockAttentionSplit")
     merge = next(n for n in trt.graph.node if n.op_type == "BlockAttentionMerge")

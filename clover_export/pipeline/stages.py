@@ -7,10 +7,10 @@ Each stage logs one line saying what it made, or, reused, what it took back
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 from functools import partial
+from pathlib import Path
 
 from clover_export.core.errors import CloverError
 from clover_export.pipeline.context import BuildContext, BuildResult, Stage, stage_key
@@ -279,21 +279,26 @@ def _engine(graph_name: str, ctx: BuildContext) -> dict | None:
                               "run `clover-export doctor` to see what is missing")
         return None
     from clover_export.artifact.manifest import load_artifact
-    from clover_export.core.atomic import atomic_write
     from clover_export.engines.builder import build_engine
     from clover_export.engines.profiles import BuildSettings
     from clover_export.exporter.trt_graph import TRT_GRAPH
 
     graph = ctx.out / graph_name
-    art = load_artifact(graph)
     plan_path = graph / ENGINE_FILE  # beside its graph: `generate GRAPH_DIR --backend trt` finds it there
     settings = BuildSettings(ctx.opts.precision, 4 * 1024**3, ctx.opts.strip_weights, str(ctx.out / "timing.cache"))
-    info = build_engine(graph / TRT_GRAPH, plan_path, art.manifest["profiles"], settings)  # no clover functions
-    manifest = {**art.manifest, "engine": ENGINE_FILE, "engine_info": info}
-    atomic_write(graph / "manifest.json", json.dumps(manifest, indent=2).encode())
+    info = build_engine(graph / TRT_GRAPH, plan_path, load_artifact(graph).manifest.profiles, settings)
+    record_engine(graph, info)
     log.info(f"[engine] {plan_path}: {info['bytes'] / 2**20:.1f} MiB, TensorRT {info['tensorrt']}")
     ctx.result.engine = plan_path
     return {**info, "graph": graph.name}
+
+
+def record_engine(graph: Path, info: dict) -> None:
+    """The graph folder's manifest names the engine built beside it (ENGINE_FILE) with the builder's record
+    (`engines.builder.build_engine`): where the trt backend finds the plan and the graph to refit it from."""
+    from clover_export.artifact.manifest import Engine, Manifest
+
+    Manifest.load(graph).replace(engine=Engine.from_json(ENGINE_FILE, info)).write(graph)
 
 
 def _engine_before(graph_name: str, ctx: BuildContext, rec: dict) -> str:
