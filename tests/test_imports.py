@@ -131,3 +131,15 @@ def test_the_layer_and_cycle_checks_catch_what_they_guard():
     assert backward_edges(late) == ["clover_export.core.config -> clover_export.runtime.loop"]
     loop = dict(graph, **{"clover_export.model.gdn": graph["clover_export.model.gdn"] | {"clover_export.model.model"}})
     assert any({"clover_export.model.gdn", "clover_export.model.model"} <= set(c) for c in cycles(loop))
+
+
+def test_the_design_card_s_names_in_the_architecture_page_are_packages():
+    """docs/architecture.md maps the design card's names (exporter/, plugins/, runtime/, engines/) to packages:
+    every folder that section names is a package of clover_export, and every card name is one of them."""
+    import re
+
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## The design card's names", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)/`", section)) - {"clover_export"}
+    assert {"exporter", "plugins", "runtime", "engines"} <= named
+    assert sorted(n for n in named if not (ROOT / n / "__init__.py").is_file()) == []
