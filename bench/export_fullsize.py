@@ -13,7 +13,6 @@ wall time, peak RSS and the bytes it wrote are printed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -23,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from clover_export.artifact.manifest import load_artifact
 from clover_export.testing.fullsize import disk_usage, write_sparse_checkpoint
 
 
@@ -53,10 +53,10 @@ def main() -> None:
         sys.exit(proc.returncode)
     e_app, e_alloc = disk_usage(out, skip_inodes=shard_inodes)
     linked = sum(1 for p in out.rglob("*.safetensors") if (p.stat().st_dev, p.stat().st_ino) in shard_inodes)
-    manifest = json.loads((out / "manifest.json").read_text())
+    weights = load_artifact(out).manifest.weights
     print(f"export: wall {wall:.1f} s, peak RSS {peak / 2**30:.2f} GiB, "
           f"bytes written {e_app / 2**20:.1f} MiB ({e_alloc / 2**20:.1f} MiB allocated; shards sharing the "
-          f"checkpoint's inodes: {linked}), weight bytes written {manifest['weights']['weight_bytes_written']}, "
+          f"checkpoint's inodes: {linked}), weight bytes written {weights.report['weight_bytes_written']}, "
           f"free space change {(free_before - shutil.disk_usage(work).free) / 2**20:.1f} MiB (other processes too)")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     if not args.keep:

@@ -25,7 +25,7 @@ def main(build_dir: str, factors: list[float]) -> None:
     build = Path(build_dir)
     amax = json.loads((build / "build.json").read_text())["stages"]["calibrate"]["result"]["amax"]
     fp32 = build / "onnx-fp32"
-    model_dir = Path(load_artifact(fp32).manifest["model_dir"])
+    model_dir = load_artifact(fp32).model_dir
     with tempfile.TemporaryDirectory() as tmp:
         for f in factors:
             t = time.perf_counter()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from clover_export.tensorrt.builder import tensorrt_version
+from clover_export.engines.builder import tensorrt_version
 from clover_export.testing.logs import log_lines
 from clover_export.verify.agreement import FP8_MIN_AGREEMENT
 
@@ -207,14 +207,13 @@ def test_disk_plan_counts_a_small_checkpoint_copied_in_link_mode(tmp_path):
     from clover_export.artifact.manifest import COPY_BELOW
     from clover_export.core.config import load_config
     from clover_export.model.loading import resolve_model_dir
-    from clover_export.pipeline.disk_plan import checkpoint_bytes, plan_disk
+    from clover_export.pipeline.disk_plan import checkpoint_bytes, export_bytes
 
     model = resolve_model_dir("tiny")
     shards = checkpoint_bytes(model)
     assert 0 < shards <= COPY_BELOW
-    link = plan_disk(tmp_path, load_config(model), model, "bf16", "link", {}, None)
-    copy = plan_disk(tmp_path, load_config(model), model, "bf16", "copy", {}, None)
-    assert link.stages == copy.stages and link.stages["export-bf16"] >= shards
+    link, copy = (export_bytes(load_config(model), model, weights, 2) for weights in ("link", "copy"))
+    assert link == copy >= shards
 
 
 @pytest.mark.slow
@@ -267,7 +266,7 @@ def test_the_command_prints_the_build_s_progress_and_the_library_prints_nothing(
 def test_a_stage_is_reused_only_under_its_key_with_its_folder_and_a_check_always_runs(tmp_path):
     """BuildContext.run: a stage recorded in build.json is reused (its reuse line logged, nothing made) while its
     key matches and its folder exists; otherwise made and recorded again. A check is run every time, never recorded."""
-    from clover_export.pipeline.context import BuildContext, BuildOptions, Stage, Stages
+    from clover_export.pipeline.context import BuildContext, BuildOptions, Stage, Stages, stage_key
 
     made: list = []
 
@@ -276,11 +275,11 @@ def test_a_stage_is_reused_only_under_its_key_with_its_folder_and_a_check_always
         made.append("s")
         return {"n": len(made)}
 
-    stage = Stage("s", make, reuse=lambda ctx, rec: f"[s] reused {rec['n']}", folder="f")
-    check = Stage("c", lambda ctx: made.append("c"))
+    check = Stage("c", lambda ctx: made.append("c"), key=lambda ctx: pytest.fail("a check has no key"))
 
     def run(key):
-        ctx = BuildContext(BuildOptions(), tmp_path, Stages(tmp_path), keys={"s": key})
+        stage = Stage("s", make, reuse=lambda ctx, rec: f"[s] reused {rec['n']}", folder="f", key=lambda ctx: (key,))
+        ctx = BuildContext(BuildOptions(), tmp_path, Stages(tmp_path))
         with log_lines() as lines:
             ctx.run(stage, check)
         return ctx.result, lines
@@ -294,4 +293,5 @@ def test_a_stage_is_reused_only_under_its_key_with_its_folder_and_a_check_always
     (tmp_path / "f").rmdir()  # the folder went away
     res, _ = run("k2")
     assert res.ran == ["s"] and made[5:] == ["s", "c"]
-    assert json.loads((tmp_path / "build.json").read_text()) == {"stages": {"s": {"key": "k2", "result": {"n": 6}}}}
+    recorded = {"stages": {"s": {"key": stage_key("k2"), "result": {"n": 6}}}}
+    assert json.loads((tmp_path / "build.json").read_text()) == recorded

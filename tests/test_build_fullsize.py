@@ -462,17 +462,27 @@ def test_disk_plan_refuses_up_front_with_the_figures(model, tmp_path, monkeypatc
 
 def test_disk_plan_counts_fp8_weights_once_and_reused_stages_as_zero(model, tmp_path):
     from clover_export.core.config import load_config
-    from clover_export.pipeline.disk_plan import fp8_weight_file_bytes, plan_disk
+    from clover_export.engines.builder import tensorrt_version
+    from clover_export.pipeline.checks import check_inputs
+    from clover_export.pipeline.disk_plan import GRAPH_BYTES, fp8_weight_file_bytes, plan_disk
+    from clover_export.pipeline.stages import FP8_WEIGHTS
 
     cfg = load_config(model)
-    plan = plan_disk(tmp_path, cfg, model, "fp8", "link", {}, None)
+    ctx = check_inputs(model, tmp_path / "out", B.BuildOptions(**OPTS))  # the plan the build would log
+    plan = ctx.disk
     assert plan.stages["fp8-weights"] == fp8_weight_file_bytes(cfg) > 0
-    assert "engine" not in plan.stages
-    reused = plan_disk(tmp_path, cfg, model, "fp8", "link", {"fp8-weights": False}, None)
+    assert plan.stages["quantize-onnx-fp8"] == plan.stages["quantize-onnx-fp8-bf16"] == GRAPH_BYTES  # links fp8.bin
+    if tensorrt_version() is None:
+        assert "engine" not in plan.stages
+    ctx.stages.record(FP8_WEIGHTS.name, ctx.key(FP8_WEIGHTS), {})  # done by an earlier run, its folder there
+    (tmp_path / "out" / FP8_WEIGHTS.folder).mkdir()
+    reused = plan_disk(ctx, ctx.plan)
     assert reused.stages["fp8-weights"] == 0 and reused.total == plan.total - plan.stages["fp8-weights"]
-    big = plan_disk(tmp_path, cfg, model, "bf16", "copy", {}, None)
+    big = check_inputs(model, tmp_path / "big", B.BuildOptions(**{**OPTS, "precision": "bf16", "weights": "copy"}))
     shards = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    assert big.stages["export-fp32"] >= shards and math.isclose(big.stages["export-bf16"], big.stages["export-fp32"])
+    stages = big.disk.stages
+    assert stages["export-fp32"] >= shards and math.isclose(stages["export-bf16"], stages["export-fp32"])
+    assert "fp8-weights" not in stages
 
 
 def test_bf16_export_runs_in_a_background_process(resumed):

@@ -71,7 +71,7 @@ PATH_IN_CODE = re.compile(r"^[\w.-]+(/[\w.-]+)+\.(py|md|sh|yaml|json|txt|csv|log
 
 
 def stale_paths(doc: Path, root: Path = ROOT) -> list[str]:
-    """Paths named in code spans (`clover_export/pipeline/build.py`, `tensorrt/builder.py`, `results/x.json`)
+    """Paths named in code spans (`clover_export/pipeline/build.py`, `engines/builder.py`, `results/x.json`)
     whose first folder is one of ours (the repository's, the package's or the doc's own) but that name no file
     there: what a moved module leaves behind. Other paths (an upstream project's) are not ours to check."""
     bases = (doc.parent, root, root / "clover_export")

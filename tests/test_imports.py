@@ -57,7 +57,7 @@ def test_models_and_the_embedded_default_import_each_other_one_way_only():
 # The packages as the pipeline, lowest first (docs/architecture.md): each may import only from itself and
 # the layers before it. `tiny` (the embedded default model) sits with `model`; `testing` (fixtures of tests
 # and benchmarks) at the top with `train`.
-LAYERS = (("core",), ("artifact",), ("model", "tiny"), ("plugins",), ("exporter",), ("quantize",), ("tensorrt",),
+LAYERS = (("core",), ("artifact",), ("model", "tiny"), ("plugins",), ("exporter",), ("quantize",), ("engines",),
           ("backends",), ("verify",), ("pipeline",), ("constraints",),
           ("runtime",), ("serve",), ("cli",), ("train", "testing"))
 
@@ -132,3 +132,15 @@ def test_the_layer_and_cycle_checks_catch_what_they_guard():
     assert backward_edges(late) == ["clover_export.core.config -> clover_export.runtime.loop"]
     loop = dict(graph, **{"clover_export.model.gdn": graph["clover_export.model.gdn"] | {"clover_export.model.model"}})
     assert any({"clover_export.model.gdn", "clover_export.model.model"} <= set(c) for c in cycles(loop))
+
+
+def test_the_design_card_s_names_in_the_architecture_page_are_packages():
+    """docs/architecture.md maps the design card's names (exporter/, plugins/, runtime/, engines/) to packages:
+    every folder that section names is a package of clover_export, and every card name is one of them."""
+    import re
+
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## The design card's names", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)/`", section)) - {"clover_export"}
+    assert {"exporter", "plugins", "runtime", "engines"} <= named
+    assert sorted(n for n in named if not (ROOT / n / "__init__.py").is_file()) == []

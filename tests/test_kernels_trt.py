@@ -404,7 +404,7 @@ def test_fp8_builder_flag():
     """TensorRT 10.x strongly typed networks (ours: profiles.BuildSettings.network_flags) leave the flag unset,
     as trtexec does; a weakly typed 10.x network with FP8 plugins sets it; 11.x has no such flag; the user can
     force it on 10.x."""
-    from clover_export.tensorrt.builder import FP8_FLAG_ENV, fp8_builder_flag
+    from clover_export.engines.builder import FP8_FLAG_ENV, fp8_builder_flag
 
     assert (
         fp8_builder_flag("10.9.0", True, True, {})[0] is False and fp8_builder_flag("10.16", True, True, {})[0] is False
@@ -423,8 +423,8 @@ def test_fp8_builder_flag():
 
 
 def test_doctor_reports_the_build_choices(monkeypatch):
+    from clover_export.engines.builder import FP8_FLAG_ENV
     from clover_export.pipeline.doctor import Facts, report
-    from clover_export.tensorrt.builder import FP8_FLAG_ENV
 
     monkeypatch.delenv(FP8_FLAG_ENV, raising=False)
     monkeypatch.delenv(plan.LARGE_SHARED_MEMORY_ENV, raising=False)

@@ -6,8 +6,8 @@ import pytest
 
 from clover_export.core.config import config_from_dict
 from clover_export.core.errors import CloverError
+from clover_export.engines.memory_plan import plan_memory, require_fit
 from clover_export.model.sizing import GiB
-from clover_export.tensorrt.memory_plan import plan_memory, require_fit
 from clover_export.tiny import tiny_config
 
 FULL = config_from_dict(json.loads(open("clover_export/data/clover_35b_a3b_config.json").read()))
@@ -26,7 +26,7 @@ def test_full_size_cache_arithmetic_by_hand():
 def test_activations_hold_the_split_attention_partials():
     """TensorRT's BlockAttentionSplit partials: fp32 acc + (m, l) per query row and head at
     launch.attention_partial_rows (2 x 192 SMs x BLOCK_M 64 / 16 heads = 1536 rows at least), by hand."""
-    from clover_export.tensorrt.memory_plan import activation_bytes, attention_partial_bytes, logits_bytes
+    from clover_export.engines.memory_plan import activation_bytes, attention_partial_bytes, logits_bytes
 
     assert attention_partial_bytes(FULL, 8, 544) == 8 * 1536 * 16 * (256 + 2) * 4  # 544 rows < the floor
     assert attention_partial_bytes(FULL, 8, 4096) == 8 * 4096 * 16 * (256 + 2) * 4
@@ -38,7 +38,7 @@ def test_activations_hold_the_split_attention_partials():
 def test_activations_hold_the_logits_and_causal_logits_at_the_profile_max():
     """fp32 logits [B, block, V], causal_logits [B, R, V] at R = block (the logit_rows dim's max) and the
     logit_rows input [B, R] int32, by hand; the plan's activations count them."""
-    from clover_export.tensorrt.memory_plan import activation_bytes, logits_bytes
+    from clover_export.engines.memory_plan import activation_bytes, logits_bytes
 
     V = FULL.vocab_size
     assert logits_bytes(FULL, 8, 32) == 8 * 32 * V * 4 + 8 * 32 * V * 4 + 8 * 32 * 4

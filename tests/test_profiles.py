@@ -3,9 +3,9 @@
 import pytest
 
 from clover_export.core.errors import CloverError
+from clover_export.engines.builder import tensorrt_version
+from clover_export.engines.profiles import BuildSettings
 from clover_export.exporter.export import profile_shapes, profiles
-from clover_export.tensorrt.builder import tensorrt_version
-from clover_export.tensorrt.profiles import BuildSettings
 
 
 def test_manifest_profiles_cover_every_kind_of_step_full_size():
@@ -52,7 +52,7 @@ def test_flags_are_strongly_typed_only():
 def test_without_tensorrt_the_builder_says_so():
     if tensorrt_version() is not None:
         pytest.skip("TensorRT is installed here")
-    from clover_export.tensorrt.builder import import_tensorrt, load_engine
+    from clover_export.engines.builder import import_tensorrt, load_engine
 
     with pytest.raises(CloverError, match="TensorRT is not installed"):
         import_tensorrt()

@@ -343,8 +343,11 @@ def test_fp8_artifact_without_scales_is_refused(tmp_path, monkeypatch):
     be = TritonBackend.load(None, device="cpu")
     name = fp8_experts.expert_names(be.model)[0]
 
+    class Manifest:
+        quantization = object()
+
     class Art:
-        dir, manifest, graph_path = tmp_path, {"quantization": {}}, tmp_path / "model.onnx"
+        dir, manifest, graph_path = tmp_path, Manifest, tmp_path / "model.onnx"
 
     import onnx
     from onnx import helper
@@ -355,7 +358,7 @@ def test_fp8_artifact_without_scales_is_refused(tmp_path, monkeypatch):
                         lambda a: {f"{name}.fp8": {"dtype": "F8_E4M3", "file": "x.bin", "offset": 0, "shape": [1]}})
     with pytest.raises(CloverError, match=f"FP8 scales {name}.scale missing"):
         fp8_experts.from_artifact(be.model, tmp_path)
-    Art.manifest = {}
+    Manifest.quantization = None
     with pytest.raises(CloverError, match="not an FP8 artifact"):
         fp8_experts.from_artifact(be.model, tmp_path)
 

@@ -79,8 +79,9 @@ def test_generate_tiny_with_ort_exports_once_then_reuses(tmp_path, monkeypatch):
     for r in runs:
         assert r.exit_code == 0, r.output
     first, second = runs
-    entries = list((tmp_path / "cache" / ort_cache.CACHE_SUBDIR).iterdir())
-    assert [e.name for e in entries if not e.name.startswith(".")] == [entries[0].name]  # one entry, no leftovers
+    listed = sorted((tmp_path / "cache" / ort_cache.CACHE_SUBDIR).iterdir())  # the entry and its hidden lock file
+    entries = [e for e in listed if not e.name.startswith(".")]
+    assert len(entries) == 1 and [e.name for e in listed] == [f".{entries[0].name}.lock", entries[0].name]
     assert "ort: exporting" in first.stderr and str(entries[0]) in first.stderr
     assert "ort: using the cached fp32 export" in second.stderr and "exporting" not in second.stderr
     a, b = (json.loads(r.stdout) for r in runs)

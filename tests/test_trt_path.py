@@ -83,7 +83,7 @@ def test_export_writes_the_trt_graph_beside_model_onnx(bf16_export):
     assert len(trt.functions) == 0 and len(full.functions) > 0
     assert art.config.max_context == 2048  # pools of 2048 positions: attention in its split-KV form, 2 splits at most
     want = independent_count(art.config, split=True)
-    assert plugin_nodes(trt) == want and art.manifest["tensorrt"]["plugin_nodes"] == dict(want)
+    assert plugin_nodes(trt) == want and art.manifest.tensorrt.plugin_nodes == dict(want)
     assert expected_plugin_layers(trt) == sum(want.values())
     split = next(n for n in trt.graph.node if n.op_type == "BlockAttentionSplit")
     merge = next(n for n in trt.graph.node if n.op_type == "BlockAttentionMerge")
@@ -255,9 +255,9 @@ def broken_tensorrt(tmp_path, monkeypatch):
 
 
 def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_export, tmp_path):
+    from clover_export.engines.builder import import_tensorrt, probe_tensorrt
     from clover_export.pipeline.context import BuildContext, BuildOptions, Stages
     from clover_export.pipeline.stages import engine
-    from clover_export.tensorrt.builder import import_tensorrt, probe_tensorrt
     from clover_export.testing.logs import log_lines
 
     assert probe_tensorrt() == (None, f"ImportError: {BROKEN}")
@@ -277,7 +277,7 @@ def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_ex
 
 
 def test_too_old_tensorrt_is_refused_by_the_import_guard(tmp_path, monkeypatch):
-    from clover_export.tensorrt.builder import import_tensorrt
+    from clover_export.engines.builder import import_tensorrt
 
     pkg = tmp_path / "tensorrt"
     pkg.mkdir()
@@ -293,7 +293,7 @@ def test_too_old_tensorrt_is_refused_by_the_import_guard(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------- builder logic that needs no TensorRT
 def test_plugin_layer_count_and_registration_rules():
-    from clover_export.tensorrt.builder import plugin_layer_problems, registration_problems
+    from clover_export.engines.builder import plugin_layer_problems, registration_problems
 
     want = {"BlockGDN": 6, "MoERoute": 8}
     assert plugin_layer_problems(dict(want), want) == []
@@ -313,7 +313,7 @@ def test_progress_monitor_never_raises(monkeypatch):
     """An exception from a progress callback would abort TensorRT's build: a failing bar is dropped instead."""
     import tqdm
 
-    from clover_export.tensorrt.builder import _SafeMonitor
+    from clover_export.engines.builder import _SafeMonitor
 
     m = _SafeMonitor()
     m.phase_start("ok", None, 2)

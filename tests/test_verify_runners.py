@@ -7,8 +7,6 @@ the reference model run functionally (the torch backend updates pools in place f
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -54,7 +52,7 @@ def test_torch_runner_is_the_functional_model_and_leaves_pools_alone(steps):
     got = play(runner, feeds[:1], pools)[0]
     for k in pools:
         np.testing.assert_array_equal(pools[k], before[k], err_msg=f"{k} was written")
-    model = load_model(Path(art.manifest["model_dir"]), dtype=torch.float32, block_size=art.block_size)
+    model = load_model(art.model_dir, dtype=torch.float32, block_size=art.block_size)
     with torch.no_grad():
         out = model(*(torch.from_numpy(feeds[0][n]) for n in names.STEP_INPUTS),
                     *(torch.from_numpy(before[p].copy()) for p in names.pool_names(art.config)))
@@ -65,4 +63,4 @@ def test_torch_runner_is_the_functional_model_and_leaves_pools_alone(steps):
 def test_torch_runner_refuses_the_in_place_backend(steps):
     art, _, _ = steps
     with pytest.raises(ValueError, match="in_place=False"):
-        TorchRunner(TorchBackend(load_model(Path(art.manifest["model_dir"]))), art.output_names)
+        TorchRunner(TorchBackend(load_model(art.model_dir)), art.output_names)

@@ -11,10 +11,12 @@ import os
 import pytest
 from onnx import TensorProto, helper
 
-from clover_export.artifact.manifest import FORMAT, GRAPH, MANIFEST, WEIGHT_MAP
+from clover_export.artifact.manifest import FORMAT, GRAPH, MANIFEST, WEIGHT_MAP, Manifest, TrtGraph, Weights
+from clover_export.core.config import load_config
 from clover_export.core.errors import CloverError
 from clover_export.exporter.trt_graph import TRT_GRAPH
 from clover_export.exporter.writer import ArtifactWriter
+from clover_export.model.loading import resolve_model_dir
 
 
 def tiny_graph():
@@ -24,9 +26,13 @@ def tiny_graph():
     return helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 20)])
 
 
-def manifest(tag: str) -> dict:
-    # a stale "tensorrt" entry, as a source export's manifest carries into its FP8 graph's
-    return {"format": FORMAT, "tag": tag, "config": {"num_experts": 4}, "tensorrt": {"graph": "stale"}}
+def manifest(tag: str) -> Manifest:
+    """A manifest told apart by `created`; with a stale `tensorrt` entry, as a source export's manifest
+    carries into its FP8 graph's."""
+    cfg = load_config(resolve_model_dir("tiny"))
+    return Manifest(config=cfg, model_dir="/nowhere", dtype="fp32", block_size=cfg.block_size, chunk=16, inputs=(),
+                    outputs=(), profiles=(), weights=Weights("copy", {}), opset=20, ir_version=9, created=tag,
+                    tensorrt=TrtGraph("stale", {}))
 
 
 def write(out, tag: str, *, force=False, companions=None, tensorrt_pool_len=None, kind="export"):
@@ -54,7 +60,8 @@ def test_the_folder_appears_whole_with_the_usual_permissions(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted([GRAPH, MANIFEST, WEIGHT_MAP, "tokenizer.json", "weights"])
     assert n == sum((out / f).stat().st_size for f in (GRAPH, MANIFEST, WEIGHT_MAP))
     m = json.loads((out / MANIFEST).read_text())
-    assert m["tag"] == "first" and "tensorrt" not in m  # no model.trt.onnx written: no entry for it
+    assert m["format"] == FORMAT and m["created"] == "first"
+    assert "tensorrt" not in m  # no model.trt.onnx written: no entry for it
     assert json.loads((out / WEIGHT_MAP).read_text()) == {"mode": "copy", "tensors": {}}
     mask = os.umask(0)
     os.umask(mask)
@@ -82,7 +89,7 @@ def test_a_failure_before_commit_changes_nothing_at_out(tmp_path):
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert beside(out) == []
     write(out, "second", force=True)  # the same with a commit: replaced
-    assert json.loads((out / MANIFEST).read_text())["tag"] == "second" and beside(out) == []
+    assert json.loads((out / MANIFEST).read_text())["created"] == "second" and beside(out) == []
 
 
 def test_an_os_error_is_one_line_naming_the_file_and_nothing_is_written(tmp_path):

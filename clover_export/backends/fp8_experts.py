@@ -70,7 +70,7 @@ def from_artifact(model, art_dir: str | Path) -> Fp8Experts:
     from clover_export.artifact.manifest import load_artifact, read_weight_map
 
     art = load_artifact(art_dir)
-    if "quantization" not in art.manifest:
+    if art.manifest.quantization is None:
         raise CloverError("runtime", f"{art.dir}: not an FP8 artifact (its manifest has no quantization entry)",
                           "pass the folder written by `clover-export fp8`, or fp8_experts=True to quantize at load")
     wmap = read_weight_map(art)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from clover_export.artifact.manifest import pool_len
+from clover_export.artifact.manifest import MANIFEST
 from clover_export.backends.threads import check_threads, flops_per_row, ort_threads, torch_thread_scope, torch_threads
 from clover_export.core import names
 from clover_export.core.errors import CloverError
@@ -27,28 +27,13 @@ _ONNX_TYPES = {torch.float32: 1, torch.int32: 6, torch.int64: 7, torch.bool: 9, 
                torch.bfloat16: 16}
 _TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
                  "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def source_dir(art) -> Path:
-    """The folder holding tokenizer and generation config: the artifact itself, else the model it came from."""
-    candidates = [art.dir] + [Path(art.manifest[k]) for k in ("source", "model_dir", "source_dir")
-                              if isinstance(art.manifest.get(k), str)]
-    src = art.manifest.get("source")
-    if isinstance(src, dict):
-        candidates += [Path(v) for k, v in src.items() if k in ("dir", "path", "model_dir") and isinstance(v, str)]
-    for c in candidates:
-        if (c / TOKENIZER_FILE).is_file():
-            return c
-    raise CloverError("runtime", f"{art.dir}: no {TOKENIZER_FILE} in the artifact or the model folder it names",
-                      "copy the model's tokenizer files into the artifact folder")
 
 
 def _is_model(path) -> bool:
     """The embedded default or a model folder (config.json, no manifest.json), not an exported artifact."""
     if path is None or str(path) == DEFAULT_MODEL:
         return True
-    return (Path(path) / "config.json").is_file() and not (Path(path) / "manifest.json").is_file()
+    return (Path(path) / "config.json").is_file() and not (Path(path) / MANIFEST).is_file()
 
 
 class OrtBackend:
@@ -59,7 +44,7 @@ class OrtBackend:
         self.art, self.session = art, session
         self.cfg = art.config
         self.block_size = art.block_size
-        self.max_context = pool_len(art.manifest, self.cfg.max_context)
+        self.max_context = min(art.manifest.max_context, self.cfg.max_context)
         self.source_dir = source  # `load` resolves it (`source_dir`); a graph run alone needs no tokenizer
         self.model_dtype = torch.bfloat16 if art.dtype == "bf16" else torch.float32
         cuda = session.get_providers()[0] == "CUDAExecutionProvider"
@@ -96,7 +81,7 @@ class OrtBackend:
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         so.intra_op_num_threads = ort_threads(threads, flops_per_row(art.config) * 2 * art.block_size)
         so.inter_op_num_threads = 1
-        backend = cls(art, ort_session(art, providers=providers, session_options=so), source_dir(art))
+        backend = cls(art, ort_session(art, providers=providers, session_options=so), art.source_dir())
         backend.threads = threads
         return backend
 

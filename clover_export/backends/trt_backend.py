@@ -9,43 +9,76 @@ returns `model.model.StepResult`, `causal_logits` [B, R, V] bound like the
 logits (R: the rows of `logit_rows`, row 0 when the step gives none).
 
 Engine location: a `.engine`/`.plan` file, or a folder with `manifest.json`
-naming it (`"engine"`) or holding exactly one such file; the model config
-comes from the manifest's `"config"` or the folder's `config.json`. Plugin
-libraries listed under `"plugin_libraries"` are loaded first.
+naming it (`Manifest.engine`, written by `build`) or holding exactly one such
+file. Beside an artifact's manifest (`artifact.manifest.Manifest`) the config,
+block size, dtype, context (the profiles' pool length) and tokenizer folder
+come from it; beside none, from the folder's `config.json`. The clover::
+plugins are registered by the engine loader (`engines.builder.load_engine`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from clover_export.artifact.manifest import GRAPH, MANIFEST, Artifact, Manifest
 from clover_export.backends.base import StepShape
 from clover_export.core import names
-from clover_export.core.config import config_from_dict, load_config
+from clover_export.core.config import CloverConfig, load_config
 from clover_export.core.errors import CloverError
+from clover_export.engines.builder import import_tensorrt
 from clover_export.model.model import StepResult, allocate_pools, with_logit_rows
-from clover_export.tensorrt.builder import import_tensorrt
 
 RUNTIME_NOTE = "install TensorRT 10+ (pip install tensorrt) on a CUDA machine, or use --backend ort/torch"
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
 
 
-def locate_engine(path) -> tuple[Path, dict]:
-    """(engine file, manifest dict or {})."""
+@dataclass(frozen=True)
+class EngineFolder:
+    """What the trt backend takes from beside an engine (`read_engine_folder`), read without TensorRT."""
+
+    plan: Path
+    cfg: CloverConfig
+    block_size: int
+    max_context: int  # the profiles' pool length (at most the config's); the engine's pools cap it again
+    source_dir: Path  # tokenizer and generation config
+    bf16: bool  # the model dtype of the graph it was built from
+    refit_graph: Path  # a weight-stripped plan is refit from this ONNX file
+    stripped: bool
+
+
+def read_engine_folder(path) -> EngineFolder:
+    """The engine at PATH (module docstring) and what its artifact's manifest says about it; an engine beside
+    no manifest takes the folder's config.json (bf16: the engine dtype `build` makes)."""
+    plan, manifest = locate_engine(path)
+    folder = plan.parent
+    if manifest is None:
+        cfg = load_config(folder)
+        return EngineFolder(plan, cfg, cfg.block_size, cfg.max_context, folder, True, folder / GRAPH, False)
+    built, cfg = manifest.engine, manifest.config
+    return EngineFolder(plan, cfg, manifest.block_size, min(manifest.max_context, cfg.max_context),
+                        Artifact(folder, manifest).source_dir(), manifest.dtype == "bf16",
+                        folder / (built.graph if built else manifest.graph), built is not None and built.stripped)
+
+
+def _manifest_beside(folder: Path) -> Manifest | None:
+    return Manifest.load(folder, component="runtime") if (folder / MANIFEST).is_file() else None
+
+
+def locate_engine(path) -> tuple[Path, Manifest | None]:
+    """(engine file, the manifest of the artifact folder it lies in, or None)."""
     if path is None:
         raise CloverError("runtime", "the trt backend needs an engine file or folder")
     p = Path(path)
     if p.is_file():
-        manifest_path = p.parent / "manifest.json"
-        return p, json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+        return p, _manifest_beside(p.parent)
     if not p.is_dir():
         raise CloverError("runtime", f"{p}: no such engine file or folder")
-    manifest = json.loads((p / "manifest.json").read_text()) if (p / "manifest.json").is_file() else {}
-    if isinstance(manifest.get("engine"), str):
-        return p / manifest["engine"], manifest
+    manifest = _manifest_beside(p)
+    if manifest is not None and manifest.engine is not None:
+        return p / manifest.engine.file, manifest
     found = sorted(f for f in p.iterdir() if f.suffix in ENGINE_SUFFIXES)
     if len(found) != 1:
         raise CloverError(
@@ -57,27 +90,19 @@ def locate_engine(path) -> tuple[Path, dict]:
 class TrtBackend:
     name = "trt"
 
-    def __init__(self, engine_path: Path, manifest: dict):
+    def __init__(self, src: EngineFolder):
         trt = import_tensorrt("runtime", RUNTIME_NOTE)
         if not torch.cuda.is_available():
             raise CloverError("runtime", "the trt backend needs a CUDA GPU; none is visible")
         self.trt = trt
-        folder = engine_path.parent
-        self.cfg = (config_from_dict(manifest["config"], source=str(folder / "manifest.json"))
-                    if "config" in manifest else load_config(folder))
-        self.block_size = int(manifest.get("block_size", self.cfg.block_size))
-        self.max_context = int(manifest.get("max_context", self.cfg.max_context))
-        self.source_dir = Path(manifest.get("source_dir", folder))
+        self.cfg, self.block_size, self.max_context = src.cfg, src.block_size, src.max_context
+        self.source_dir = src.source_dir
+        self.model_dtype = torch.bfloat16 if src.bf16 else torch.float32
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.model_dtype = torch.bfloat16 if manifest.get("dtype", "bf16") == "bf16" else torch.float32
-        for lib in manifest.get("plugin_libraries", []):
-            ctypes.CDLL(str(folder / lib), mode=ctypes.RTLD_GLOBAL)
-        from clover_export.tensorrt.builder import load_engine
+        from clover_export.engines.builder import load_engine
 
         # one loader for build and runtime: registers the clover:: plugins, refits a weight-stripped plan
-        info = manifest.get("engine_info", {})
-        graph = info.get("graph", manifest.get("graph", "model.onnx"))  # refit from the graph it was built from
-        self.engine = load_engine(engine_path, folder / graph, bool(info.get("stripped")))
+        self.engine = load_engine(src.plan, src.refit_graph, src.stripped)
         self.context = self.engine.create_execution_context()
         self.tensor_names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.input_dtypes = {n: self._torch_dtype(self.engine.get_tensor_dtype(n)) for n in self.tensor_names}
@@ -98,8 +123,7 @@ class TrtBackend:
     @classmethod
     def load(cls, path=None, **_options) -> "TrtBackend":
         import_tensorrt("runtime", RUNTIME_NOTE)
-        engine_path, manifest = locate_engine(path)
-        return cls(engine_path, manifest)
+        return cls(read_engine_folder(path))
 
     def _torch_dtype(self, dt) -> torch.dtype:
         trt = self.trt

@@ -41,7 +41,7 @@ def gpu_plans(facts) -> dict:
 
     from clover_export.core.config import config_from_dict
     from clover_export.core.step_shape import PREFILL_CHUNK
-    from clover_export.tensorrt.memory_plan import plan_memory
+    from clover_export.engines.memory_plan import plan_memory
 
     config = resources.files("clover_export").joinpath("data/clover_35b_a3b_config.json")
     cfg = config_from_dict(_json.loads(config.read_text()))

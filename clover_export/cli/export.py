@@ -119,7 +119,7 @@ def validate_cmd(folder, steps, save_io, no_cuda, reference_evaluator, force):
         for option, path in (("--save-io", save_io), ("--save-io's inputs file", inputs_path(Path(save_io)))):
             claim_file(path, "validate-io", command="validate", force=force, option=option)
     art = load_artifact(folder)
-    if "quantization" in art.manifest:
+    if art.manifest.quantization is not None:
         from clover_export.verify.agreement import validate_fp8
 
         if art.dtype != "fp32":  # ONNX Runtime's CPU EP runs no bf16: judged as the twin of its fp32 graph

@@ -184,10 +184,9 @@ def _reference_dir(model):
     if model is None or (Path(model) / "config.json").is_file():
         return model
     if is_artifact(model):
-        from clover_export.backends.ort_backend import source_dir
         from clover_export.exporter import load_artifact
 
-        src = source_dir(load_artifact(model))
+        src = load_artifact(model).model_dir  # the artifact holds the tokenizer, not config.json
         if (src / "config.json").is_file() and has_weights(src):
             return src
     raise CloverError("compare", f"{model}: prompt logits need the model folder (config.json + safetensors)",

@@ -61,9 +61,9 @@ def info(model, context, max_batch, gpu_memory, as_json):
         "weights_bytes": {"bf16": weight_bytes(cfg, "bf16"), "fp8": weight_bytes(cfg, "fp8")},
         "cache_bytes_per_sequence": {"context": ctx, **caches},
     }
+    from clover_export.engines.memory_plan import plan_memory
     from clover_export.pipeline.checks import gpu_memory_bytes
     from clover_export.pipeline.context import BuildOptions
-    from clover_export.tensorrt.memory_plan import plan_memory
 
     gpu = gpu_memory_bytes(BuildOptions(gpu_memory_gib=gpu_memory))
     plans = [plan_memory(cfg, p, max_batch, ctx, PREFILL_CHUNK, gpu) for p in ("bf16", "fp8")]

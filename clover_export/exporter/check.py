@@ -109,17 +109,9 @@ def check_folder(folder: str | Path, proto: onnx.ModelProto | None = None, tenso
     tensorrt=False skips the TensorRT rules (the exporter's own check of a map-mode folder, which is meant
     for ONNX Runtime only)."""
     folder = Path(folder)
-    mpath = folder / A.MANIFEST
-    if not mpath.exists():
-        raise CloverError("check", f"{folder}: no {A.MANIFEST}", "pass a folder written by `clover-export export`")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CloverError("check", f"{mpath}: not valid JSON ({e})", "export the folder again") from None
-    if not isinstance(manifest, dict):
-        raise CloverError("check", f"{mpath}: not a manifest (expected a JSON object)", "export the folder again")
+    manifest = A.Manifest.load(folder, component="check")
     if proto is None:
-        gpath = folder / manifest.get("graph", A.GRAPH)
+        gpath = folder / manifest.graph
         try:
             proto = onnx.load(str(gpath), load_external_data=False)
         except Exception as e:  # onnx raises DecodeError / OSError
@@ -307,11 +299,11 @@ def _plugin_attr_problem(a) -> str | None:
 
 
 # --- external data ----------------------------------------------------------------
-def _check_external_data(proto, folder: Path, manifest: dict, rep):
-    mode = manifest.get("weights", {}).get("mode")
+def _check_external_data(proto, folder: Path, manifest: A.Manifest, rep):
+    mode = manifest.weights.mode
     wmap = {}
     if mode == "map":
-        wmap = json.loads((folder / A.WEIGHT_MAP).read_text())["tensors"]
+        wmap = json.loads((folder / manifest.weight_map).read_text())["tensors"]
     sizes: dict[Path, int] = {}
     hard: dict[str, int] = {}  # location -> its link count
     root = folder.resolve()
@@ -395,8 +387,8 @@ def _has_symlink(folder: Path, rel: Path) -> bool:
 
 
 # --- profiles -----------------------------------------------------------------------
-def _check_profiles(proto, manifest: dict, rep):
-    profiles = manifest.get("profiles") or []
+def _check_profiles(proto, manifest: A.Manifest, rep):
+    profiles = manifest.profiles
     if not profiles:
         rep.add("fail", "manifest", "no optimisation profiles")
     for vi in list(proto.graph.input) + list(proto.graph.output):
@@ -407,30 +399,30 @@ def _check_profiles(proto, manifest: dict, rep):
                 rep.add("fail", vi.name, f"dimension {i} is unnamed and dynamic: no profile can cover it")
                 continue
             for p in profiles:
-                r = p.get("dims", {}).get(d.dim_param)
+                r = p.dims.get(d.dim_param)
                 if not r or len(r) != 3 or not (1 <= r[0] <= r[1] <= r[2]):
                     rep.add(
                         "fail",
                         vi.name,
-                        f"dimension {d.dim_param!r} has no valid min/opt/max in profile {p.get('name')!r}",
+                        f"dimension {d.dim_param!r} has no valid min/opt/max in profile {p.name!r}",
                     )
 
 
 # --- TensorRT: model.trt.onnx ------------------------------------------------------
-def _check_tensorrt(folder: Path, manifest: dict, proto, rep):
+def _check_tensorrt(folder: Path, manifest: A.Manifest, proto, rep):
     from clover_export.exporter.trt_graph import AOT_ATTR, TRT_GRAPH, plugin_nodes
     from clover_export.plugins.contracts import TRT_CONTRACTS
     from clover_export.plugins.trt.versions import FEATURES, MIN_TENSORRT, version_text
 
-    if manifest.get("weights", {}).get("mode") == "map":
+    if manifest.weights.mode == "map":
         rep.add("fail", "weights", "map mode (the checkpoint referenced in place through weights.json) cannot reach "
                 "TensorRT, which reads external data from files beside the graph: export with --weights link or copy")
         rep.tensorrt.append("TensorRT: no graph (map-mode weights)")
         return
-    name = manifest.get("tensorrt", {}).get("graph", TRT_GRAPH)
+    name = manifest.tensorrt.graph if manifest.tensorrt else TRT_GRAPH
     path = folder / name
     if not path.exists():
-        if manifest.get("dtype") == "fp32":
+        if manifest.dtype == "fp32":
             rep.add("info", TRT_GRAPH, "fp32 graph, for ONNX Runtime: TensorRT engines are built from bf16 graphs")
             rep.tensorrt.append("TensorRT: not an engine-bound graph (fp32)")
         else:

@@ -227,36 +227,29 @@ def _match_parameters(params: dict, plans: dict, cfg: CloverConfig) -> None:
                           + "\n  - ".join([f"no tensor for {m}" for m in missing] + shapes))
 
 
-def _manifest(cfg: CloverConfig, model_dir: Path, o: ExportOptions, traced, report: WeightReport) -> dict:
+def _manifest(cfg: CloverConfig, model_dir: Path, o: ExportOptions, traced, report: WeightReport) -> A.Manifest:
     N = o.block_size
     profs = profiles(N, o.chunk, o.max_batch, o.slots, o.max_len)
-    for p in profs:
-        p["shapes"] = profile_shapes(traced.inputs, p)
-    return {
-        "format": A.FORMAT,
-        "format_version": A.FORMAT_VERSION,
-        "graph": A.GRAPH,
-        "weight_map": A.WEIGHT_MAP,
-        "model_dir": str(model_dir.resolve()),
-        "config": cfg.to_dict(),
-        "config_fingerprint": cfg.fingerprint(),
-        "dtype": o.dtype,
-        "block_size": N,
-        "chunk": o.chunk,
-        "opset": OPSET,
-        "ir_version": IR_VERSION,
-        "inputs": traced.inputs,
-        "outputs": traced.outputs,
-        "dynamic_dims": {
+    return A.Manifest(
+        config=cfg,
+        model_dir=str(model_dir.resolve()),
+        dtype=o.dtype,
+        block_size=N,
+        chunk=o.chunk,
+        inputs=tuple(map(A.IOSpec.from_json, traced.inputs)),
+        outputs=tuple(map(A.IOSpec.from_json, traced.outputs)),
+        profiles=tuple(A.Profile.from_json({**p, "shapes": profile_shapes(traced.inputs, p)}) for p in profs),
+        weights=A.Weights.from_json(report.to_dict()),
+        opset=OPSET,
+        ir_version=IR_VERSION,
+        ops=contracts.manifest_entry(),
+        tools=tool_versions(),
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        dynamic_dims={
             BATCH: "batch rows of the step",
             STEP_LEN: f"T = C + {N}: C causal rows (C >= 0) then {N} block rows",
             SLOTS: "cache slots in each pool",
             POOL_LEN: "max cached positions per slot (attention pools)",
             LOGIT_ROWS: f"R: causal rows whose next-token logits the step returns (1 to {N})",
         },
-        "profiles": profs,
-        "ops": contracts.manifest_entry(),
-        "weights": report.to_dict(),
-        "tools": tool_versions(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    )

@@ -20,15 +20,13 @@ from dataclasses import dataclass
 import onnx
 import torch
 
+from clover_export.artifact.manifest import BATCH, LOGIT_ROWS, POOL_LEN, SLOTS, STEP_LEN
 from clover_export.core import names
 from clover_export.core.config import CloverConfig
 from clover_export.core.errors import CloverError
 
 OPSET = 20
 IR_VERSION = 9
-# dynamic dimensions of the step graph (STEP_GRAPH.md 1); T = C + block_size; R: the rows of `logit_rows`
-BATCH, STEP_LEN, SLOTS, POOL_LEN = "batch", "step_len", "slots", "pool_len"
-LOGIT_ROWS = "logit_rows"
 _EXAMPLE = {BATCH: 2, SLOTS: 3, POOL_LEN: 64, LOGIT_ROWS: 4}  # distinct sizes, so no two dims get unified by accident
 _ONNX_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int32: "int32"}
 

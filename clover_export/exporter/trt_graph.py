@@ -31,6 +31,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
+from clover_export.artifact.manifest import TrtGraph
 from clover_export.plugins.contracts import (
     BLOCK_ATTENTION,
     BLOCK_ATTENTION_MERGE,
@@ -123,11 +124,11 @@ def trt_graph(proto: onnx.ModelProto, num_experts: int, pool_len: int = 0) -> on
     return out
 
 
-def write_trt_graph(folder: Path, proto: onnx.ModelProto, num_experts: int, pool_len: int) -> dict:
+def write_trt_graph(folder: Path, proto: onnx.ModelProto, num_experts: int, pool_len: int) -> TrtGraph:
     """Write FOLDER/model.trt.onnx from the folder's `model.onnx` proto; returns the manifest record."""
     g = trt_graph(proto, num_experts, pool_len)
     onnx.save_model(g, str(Path(folder) / TRT_GRAPH))
-    return {"graph": TRT_GRAPH, "plugin_nodes": dict(sorted(plugin_nodes(g).items()))}
+    return TrtGraph(TRT_GRAPH, dict(sorted(plugin_nodes(g).items())))
 
 
 def plugin_nodes(proto: onnx.ModelProto) -> Counter:

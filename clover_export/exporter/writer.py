@@ -24,7 +24,7 @@ from typing import Iterable
 
 import onnx
 
-from clover_export.artifact.manifest import COMPANION_FILES, GRAPH, MANIFEST, WEIGHT_MAP
+from clover_export.artifact.manifest import COMPANION_FILES, GRAPH, MANIFEST, WEIGHT_MAP, Manifest
 from clover_export.artifact.outdir import claim_dir, commit_dir
 from clover_export.core.errors import CloverError
 from clover_export.exporter.trt_graph import TRT_GRAPH, write_trt_graph
@@ -53,21 +53,20 @@ class ArtifactWriter:
         self._committed = False
         return self
 
-    def write(self, graph: onnx.ModelProto, manifest: dict, weight_map: dict, companions_from: Path,
+    def write(self, graph: onnx.ModelProto, manifest: Manifest, weight_map: dict, companions_from: Path,
               tensorrt_pool_len: int | None = None) -> int:
         """model.onnx, manifest.json, weights.json and the companion files found in `companions_from`; with
         `tensorrt_pool_len` also model.trt.onnx (`trt_graph`), recorded as the manifest's "tensorrt" entry
         (else that entry is left out). `graph`'s initializers already point at files in `self.dir`.
         Returns the bytes of the graph and JSON files written."""
-        manifest = {k: v for k, v in manifest.items() if k != "tensorrt"}
         onnx.save_model(graph, str(self.dir / GRAPH))
         written = [GRAPH, WEIGHT_MAP, MANIFEST]
+        trt = None
         if tensorrt_pool_len is not None:  # what TensorRT parses: no clover functions, MoE as AOT sub-ops
-            manifest["tensorrt"] = write_trt_graph(self.dir, graph, manifest["config"]["num_experts"],
-                                                   tensorrt_pool_len)
+            trt = write_trt_graph(self.dir, graph, manifest.config.num_experts, tensorrt_pool_len)
             written.append(TRT_GRAPH)
         (self.dir / WEIGHT_MAP).write_text(json.dumps(weight_map))
-        (self.dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        manifest.replace(tensorrt=trt).write(self.dir)
         for fname in COMPANION_FILES:  # the runtime needs them; the model folder may move
             if (Path(companions_from) / fname).is_file():
                 shutil.copyfile(Path(companions_from) / fname, self.dir / fname)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from clover_export.core.errors import CloverError
 from clover_export.pipeline.context import BuildContext
-from clover_export.pipeline.stages import export_args, fp8_weights_record
+from clover_export.pipeline.stages import EXPORT, FP8_WEIGHTS, export_args, fp8_weights_record
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +47,14 @@ def beside_the_stages(ctx: BuildContext):
     reused) beside the stages in the block; collected by their stages (`FP8_WEIGHTS`, `export_graph("bf16")`).
     Leaving the block, whatever is still running is stopped and leaves nothing written; a weight file that
     finished before a later stage failed is recorded, for the next run to reuse."""
-    weights_key, weights_dir = ctx.keys.get("fp8-weights"), ctx.out / "fp8-weights"
-    if ctx.fp8 and not ctx.stages.done("fp8-weights", weights_key, weights_dir):
-        for stale in ctx.out.glob(".fp8-weights.*"):  # a writer killed outright (SIGKILL, power): its temporary folder
+    weights_dir = ctx.out / FP8_WEIGHTS.folder
+    if FP8_WEIGHTS in ctx.plan and not ctx.done(FP8_WEIGHTS):
+        for stale in ctx.out.glob(f".{weights_dir.name}.*"):  # a writer killed outright (SIGKILL, power): its temp
             shutil.rmtree(stale, ignore_errors=True)
         ctx.writer = BackgroundWeights(ctx.model_dir, ctx.cfg, weights_dir)  # disk-bound: beside the CPU-bound stages
-        log.info("[quantize] fp8-weights: writing in the background (disk-bound) while the graphs are exported, "
-                 "validated and calibrated")
-    if not ctx.whole and not ctx.stages.done("export-bf16", ctx.keys["export-bf16"], ctx.out / "onnx-bf16"):
+        log.info(f"[quantize] {weights_dir.name}: writing in the background (disk-bound) while the graphs are "
+                 "exported, validated and calibrated")
+    if not ctx.whole and not ctx.done(EXPORT["bf16"]):
         ctx.bf16_job = BackgroundExport(**export_args(ctx, "bf16"))  # Python-bound: beside the stages below
         log.info("[export bf16] in a background process beside the stages below")
     try:
@@ -65,8 +65,9 @@ def beside_the_stages(ctx: BuildContext):
         if ctx.writer is not None:
             ctx.writer.stop()  # after a failure or Ctrl-C: nothing of it stays written; else it has finished
             weights = ctx.writer.finished()
-            if weights is not None and not ctx.stages.done("fp8-weights", weights_key, weights_dir):
-                ctx.stages.record("fp8-weights", weights_key, fp8_weights_record(weights, ctx.writer.seconds))
+            if weights is not None and not ctx.done(FP8_WEIGHTS):
+                record = fp8_weights_record(weights, ctx.writer.seconds)
+                ctx.stages.record(FP8_WEIGHTS.name, ctx.key(FP8_WEIGHTS), record)
 
 
 class BackgroundWeights:
@@ -76,7 +77,7 @@ class BackgroundWeights:
         self.started = time.perf_counter()
         self.seconds: float | None = None
         self._box: dict = {}
-        self._thread = threading.Thread(target=self._run, args=(model_dir, cfg), name="fp8-weights", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(model_dir, cfg), name=folder.name, daemon=True)
         self._thread.start()
 
     def _run(self, model_dir: Path, cfg) -> None:

@@ -50,18 +50,10 @@ __all__ = ["BuildOptions", "BuildResult", "build"]
 def build(model, out: str | Path, opts: BuildOptions) -> BuildResult:
     """MODEL -> validated ONNX graphs (and, where TensorRT and a GPU are here, an engine) in OUT; progress on
     the `clover_export` loggers (the CLI prints it)."""
-    ctx = check_inputs(model, out, opts)  # every problem at once, before anything is written
+    ctx = check_inputs(model, out, opts)  # every problem at once, before anything is written; ctx.plan: the stages
     S.begin(ctx)
+    *graphs, engine = ctx.plan  # `stages.stage_list`: the engine last
     with beside_the_stages(ctx):  # the FP8 weight file (thread), with slice validation the bf16 export (process)
-        ctx.run(S.export_graph("fp32"), S.validate_graph("fp32") if ctx.whole else S.VALIDATE_SLICES)
-        if ctx.whole:
-            ctx.run(S.export_graph("bf16"), S.validate_graph("bf16"))
-        if ctx.fp8:
-            ctx.run(S.CALIBRATE)
-        if not ctx.whole:  # the background export, collected after the calibration that runs beside it
-            ctx.run(S.export_graph("bf16"), S.BF16_CHECKED_AT_EXPORT)
-        if ctx.fp8:
-            ctx.run(S.FP8_WEIGHTS, S.quantize("onnx-fp32", "onnx-fp8"), S.quantize("onnx-bf16", "onnx-fp8-bf16"),
-                    S.FP8_AGREEMENT, S.FP8_GATE, S.TWINS)
-    ctx.run(S.engine("onnx-fp8-bf16" if ctx.fp8 else "onnx-bf16"))
+        ctx.run(*graphs)
+    ctx.run(engine)
     return S.finish(ctx)

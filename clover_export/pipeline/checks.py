@@ -58,19 +58,21 @@ def refuse(problems: list[CloverError]) -> None:
 
 def check_inputs(model, out, opts: BuildOptions) -> BuildContext:
     """Everything `build` will need, checked before its first stage: the options, the model folder, its
-    config and checkpoint headers, (fp8) the tokenizer, chat template, mask token and calibration prompts,
-    OUT, GPU memory, disk space, and TensorRT where --require-engine asks for an engine. Every problem is
-    reported at once, one line each, and nothing is written (not even OUT)."""
+    config and checkpoint headers, each stage's own checks (`Stage.checks`: the calibration's tokenizer,
+    chat template, mask token and prompts; TensorRT where --require-engine asks for an engine), OUT, GPU
+    memory, disk space. Every problem is reported at once, one line each, and nothing is written (not even
+    OUT). Returns the stages' context, its `plan` the build's stages (`stages.stage_list`)."""
     import warnings
 
     from clover_export.artifact.outdir import claim_dir
     from clover_export.core.checkpoint import locate_tensors, plan_tensors
     from clover_export.core.config import load_config
+    from clover_export.engines.memory_plan import plan_memory
+    from clover_export.engines.memory_plan import shortfall as memory_shortfall
     from clover_export.model.loading import resolve_model_dir
+    from clover_export.pipeline.disk_plan import plan_disk
     from clover_export.pipeline.disk_plan import shortfall as disk_shortfall
-    from clover_export.pipeline.doctor import engine_blocker
-    from clover_export.tensorrt.memory_plan import plan_memory
-    from clover_export.tensorrt.memory_plan import shortfall as memory_shortfall
+    from clover_export.pipeline.stages import stage_list
 
     problems: list[CloverError] = []
 
@@ -88,9 +90,6 @@ def check_inputs(model, out, opts: BuildOptions) -> BuildContext:
     precision_ok = opts.precision in ("bf16", "fp8")
     if not precision_ok:
         problem(CloverError("build", f"unknown precision {opts.precision!r}", "expected bf16 or fp8"))
-    elif opts.require_engine and (why := engine_blocker(opts.precision)):
-        problem(CloverError("build", f"--require-engine: no engine can be built here: {why}",
-                            "run `clover-export doctor` to see what is missing"))
     if opts.weights not in BUILD_WEIGHT_MODES:  # TensorRT reads external data from files beside the graph
         problem(CloverError("build", f"--weights {opts.weights}: a build's graphs need their weights in weights/ "
                             "(map mode references the checkpoint in place, which TensorRT cannot parse or refit)",
@@ -106,67 +105,31 @@ def check_inputs(model, out, opts: BuildOptions) -> BuildContext:
     with warnings.catch_warnings():  # a plain Qwen checkpoint's warning comes again, once, at export
         warnings.simplefilter("ignore")
         planned = attempt(lambda: plan_tensors(cfg, locate_tensors(model_dir), allow_qwen=opts.allow_qwen))
-    prompts = batch = None
-    if opts.precision == "fp8":
-        from clover_export.quantize.calibration import BUILTIN_PROMPTS, prompt_batch, read_prompts
-
-        prompts = attempt(read_prompts, opts.calib)
-        attempt(cfg.require_mask_token)
-        # the tokenizer and chat template are checked on a built-in prompt when --calib is itself a problem
-        batch = attempt(prompt_batch, model_dir, prompts or BUILTIN_PROMPTS[:1], cfg.block_size)
-        if batch is not None and (bad := [t for row in batch.ids for t in row if not 0 <= t < cfg.vocab_size]):
-            problem(CloverError("calibration", f"{model_dir / 'tokenizer.json'} gives token id {bad[0]} for the "
-                                f"calibration prompts, outside the vocabulary (size {cfg.vocab_size}) of {cfg.source}"))
     max_context = cfg.max_context if opts.max_context is None else opts.max_context
-    memory = attempt(plan_memory, cfg, opts.precision, opts.max_batch, max_context, opts.chunk, gpu_bytes) \
+    ctx = BuildContext(opts=opts, out=out, stages=Stages(out) if out is not None else None, model_dir=model_dir,
+                       cfg=cfg, max_context=max_context, validation=validation or (True, ""))
+    ctx.plan = stage_list(ctx.whole, ctx.fp8) if precision_ok else ()
+    for stage in ctx.plan:
+        for e in stage.checks(ctx) if stage.checks is not None else []:
+            problem(e)
+    ctx.memory = attempt(plan_memory, cfg, opts.precision, opts.max_batch, max_context, opts.chunk, gpu_bytes) \
         if precision_ok else None
-    if memory is not None and (short := memory_shortfall(memory)):
-        for line in memory.lines():  # the figures behind the problem line
+    if ctx.memory is not None and (short := memory_shortfall(ctx.memory)):
+        for line in ctx.memory.lines():  # the figures behind the problem line
             log.info(line)
         problem(CloverError("build", short))
-    disk = stages = base = keys = None
     if out is not None and planned is not None and precision_ok:
-        stages = Stages(out)
         if opts.force:
-            stages.data["stages"] = {}
-        base = (str(model_dir.resolve()), checkpoint_key(model_dir), cfg.fingerprint(), opts.max_batch, max_context,
-                opts.chunk, opts.weights, opts.allow_qwen)
-        keys = stage_keys(base, opts, prompts or [])
-        disk = plan_disk_for(out, cfg, model_dir, opts, keys, stages)
-        if short := disk_shortfall(disk):
-            for line in disk.lines():
+            ctx.stages.data["stages"] = {}
+        ctx.base = (str(model_dir.resolve()), checkpoint_key(model_dir), cfg.fingerprint(), opts.max_batch,
+                    max_context, opts.chunk, opts.weights, opts.allow_qwen)
+        ctx.disk = plan_disk(ctx, ctx.plan)
+        if short := disk_shortfall(ctx.disk):
+            for line in ctx.disk.lines():
                 log.info(line)
             problem(CloverError("build", short))
     refuse(problems)
-    return BuildContext(opts=opts, model_dir=model_dir, cfg=cfg, max_context=max_context, out=out, memory=memory,
-                        disk=disk, stages=stages, base=base, keys=keys, validation=validation, prompts=batch)
-
-
-def stage_keys(base: tuple, opts: BuildOptions, prompts: list[str]) -> dict[str, str]:
-    """Stage name -> key of what it is made from (a stage reruns when its key changes)."""
-    keys = {f"export-{d}": stage_key("export", d, *base) for d in ("fp32", "bf16")}
-    keys |= {f"validate-onnx-{d}": stage_key("validate", d, *base) for d in ("fp32", "bf16")}
-    keys["validate-slices"] = stage_key("validate-slices", *base)
-    if opts.precision == "fp8":
-        keys["calibrate"] = stage_key("calibrate", prompts, *base)
-        keys["fp8-weights"] = stage_key("fp8-weights", *base)
-        for name in ("onnx-fp8", "onnx-fp8-bf16"):
-            keys[f"quantize-{name}"] = stage_key("quantize", name, keys["calibrate"], keys["fp8-weights"])
-        keys["validate-onnx-fp8"] = stage_key("agreement", keys["calibrate"])
-    return keys
-
-
-def plan_disk_for(out: Path, cfg, model_dir: Path, opts: BuildOptions, keys: dict, stages: Stages):
-    from clover_export.model.sizing import weight_bytes
-    from clover_export.pipeline.disk_plan import plan_disk
-    from clover_export.pipeline.doctor import engine_blocker
-
-    folders = {"export-fp32": out / "onnx-fp32", "export-bf16": out / "onnx-bf16", "fp8-weights": out / "fp8-weights"}
-    todo = {name: not stages.done(name, keys[name], folders[name]) for name in folders if name in keys}
-    todo["quantize (2 graphs)"] = not all(stages.done(f"quantize-{n}", keys.get(f"quantize-{n}", ""), out / n)
-                                          for n in ("onnx-fp8", "onnx-fp8-bf16"))
-    engine = None if engine_blocker(opts.precision) else 0 if opts.strip_weights else weight_bytes(cfg, opts.precision)
-    return plan_disk(out, cfg, model_dir, opts.precision, opts.weights, todo, engine)
+    return ctx
 
 
 def validation_mode(cfg, opts: BuildOptions) -> tuple[bool, str]:

@@ -1,12 +1,13 @@
 """What the build's stages share: the options, build.json's record, one context, and `run(stage)`.
 
-A stage (`Stage`) is a name, what it makes, and how an earlier run of it is
-taken back. `BuildContext.run` is the one place that decides between the two:
-a stage whose key (what it is made from, `checks.stage_keys`) matches the one
-recorded in build.json, and whose folder is still there, is reused; any other
-is made, recorded (build.json is rewritten atomically after every stage) and
-counted. A stage without `reuse` is a check: it runs every time and records
-nothing.
+A stage (`Stage`) describes itself: its name, what it makes, how an earlier
+run of it is taken back, its folder, what its key is made from, the bytes it
+writes and the problems it can find before any stage runs. `BuildContext.run`
+is the one place that decides between making and reusing: a stage whose key
+matches the one recorded in build.json, and whose folder is still there, is
+reused; any other is made, recorded (build.json is rewritten atomically after
+every stage) and counted. A stage without `reuse` is a check: it runs every
+time and records nothing. The stages and their order: `stages.stage_list`.
 """
 
 from __future__ import annotations
@@ -83,17 +84,26 @@ class Stages:
 
 @dataclass(frozen=True)
 class Stage:
-    """One step of the build. make(ctx): does the work, logs its lines, returns what build.json records
-    (None: nothing to record, the stage did not apply here). reuse(ctx, record): takes an earlier run back
-    (what later stages need into ctx) and returns the line saying so; None makes the stage a check.
-    folder: under OUT, what must still exist for a reuse. key(ctx): the stage's key when it is not the
-    one `stage_keys` made for its name (None: not recordable here)."""
+    """One step of the build, describing itself.
+
+    name: its entry in build.json and its line in the disk plan.
+    make(ctx): does the work, logs its lines, returns what build.json records (None: nothing to record, the
+      stage did not apply here).
+    reuse(ctx, record): takes an earlier run back (what later stages need into ctx) and returns the line
+      saying so; None makes the stage a check (run every time, nothing recorded).
+    folder: under OUT, what it writes: it must still exist for a reuse.
+    key(ctx): what its key is made from (hashed by `stage_key`; None: not recordable here).
+    disk(ctx): the bytes it will write (`disk_plan`; None: none counted here).
+    checks(ctx): the problems it can find before any stage runs (`checks.check_inputs`), as CloverErrors;
+      what they read that the stage needs goes into ctx."""
 
     name: str
     make: Callable[[BuildContext], dict | None]
     reuse: Callable[[BuildContext, dict], str] | None = None
     folder: str | None = None
-    key: Callable[[BuildContext], str | None] | None = None
+    key: Callable[[BuildContext], tuple | None] | None = None
+    disk: Callable[[BuildContext], int | None] | None = None
+    checks: Callable[[BuildContext], list] | None = None
 
 
 @dataclass
@@ -107,11 +117,12 @@ class BuildContext:
     model_dir: Path | None = None
     cfg: object = None  # CloverConfig
     max_context: int | None = None
-    memory: object = None  # tensorrt.memory_plan.MemoryPlan
+    memory: object = None  # engines.memory_plan.MemoryPlan
     disk: object = None  # disk_plan.DiskPlan
+    plan: tuple[Stage, ...] = ()  # the stages of this build, in order (`stages.stage_list`)
     base: tuple = ()  # what every stage key is made from
-    keys: dict[str, str] = field(default_factory=dict)  # stage name -> key (`checks.stage_keys`)
     validation: tuple[bool, str] = (True, "")  # (whole graphs?, why): `checks.validation_mode`
+    calibration_prompts: list[str] = field(default_factory=list)  # fp8: the prompts' text (the calibration's key)
     prompts: object = None  # fp8: calibration.PromptBatch, the calibration prompts tokenised
     result: BuildResult | None = None
     writer: object = None  # background.BackgroundWeights: the FP8 weight file, written beside the stages
@@ -121,10 +132,24 @@ class BuildContext:
     weights: object = None  # fp8-weights: quantize.weights.Fp8Weights
     agreement: dict | None = None  # validate-onnx-fp8: the FP8 graph's agreement with the fp32 one
     facts: object = None  # doctor.Facts, collected once for the engine stage
+    _keys: dict[str, str | None] = field(default_factory=dict)  # stage name -> key, made once
 
     def __post_init__(self):
         if self.result is None:
             self.result = BuildResult(self.out)
+
+    def key(self, stage: Stage) -> str | None:
+        """The stage's key: a hash of what it is made from (None: a check, or not recordable here)."""
+        if stage.name not in self._keys:
+            parts = stage.key(self) if stage.key is not None and stage.reuse is not None else None
+            self._keys[stage.name] = None if parts is None else stage_key(*parts)
+        return self._keys[stage.name]
+
+    def done(self, stage: Stage) -> bool:
+        """Recorded in build.json under its key, its folder still there: reused by `run`."""
+        key = self.key(stage)
+        folder = self.out / stage.folder if stage.folder else None
+        return key is not None and self.stages.done(stage.name, key, folder)
 
     @property
     def fp8(self) -> bool:
@@ -139,9 +164,8 @@ class BuildContext:
         """Each stage in turn: reused when build.json holds it under the same key (and its folder is there),
         else made, recorded and counted as run."""
         for stage in stages:
-            key = None if stage.reuse is None else stage.key(self) if stage.key else self.keys[stage.name]
-            folder = self.out / stage.folder if stage.folder else None
-            if key is not None and self.stages.done(stage.name, key, folder):
+            key = self.key(stage)
+            if self.done(stage):
                 log.info(stage.reuse(self, self.stages.result(stage.name)))
                 self.result.reused.append(stage.name)
                 continue

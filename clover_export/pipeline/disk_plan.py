@@ -2,8 +2,9 @@
 
 Checked with everything else `build` needs before anything is written
 (`checks.check_inputs`): a plan that does not fit is one problem line.
-Stages already done with the same inputs (resume) write nothing. The
-figures: graphs and manifests (`GRAPH_BYTES`, a generous bound: the 35B
+Each stage says what it writes (`context.Stage.disk`, with the figures
+below); stages already done with the same inputs (resume) write nothing.
+The figures: graphs and manifests (`GRAPH_BYTES`, a generous bound: the 35B
 graph proto is ~10 MB), shard copies under `--weights copy`, zero-filled
 tensors of an opted-in Qwen checkpoint, the FP8 weights (once: both FP8
 graphs link them), and the engine where TensorRT and a GPU will build one.
@@ -41,9 +42,9 @@ class DiskPlan:
             return f"{n / GiB:8.2f} GiB"
 
         out = [f"disk plan (writes into {self.out}):"]
-        out += [f"  {name:20s}{g(n)}" for name, n in self.stages.items()]
-        out.append(f"  {'total':20s}{g(self.total)}")
-        out.append(f"  {'free':20s}{g(self.free)}  (+{MARGIN / GiB:.0f} GiB margin): "
+        out += [f"  {name:24s}{g(n)}" for name, n in self.stages.items()]
+        out.append(f"  {'total':24s}{g(self.total)}")
+        out.append(f"  {'free':24s}{g(self.free)}  (+{MARGIN / GiB:.0f} GiB margin): "
                    f"{'fits' if self.fits else 'DOES NOT FIT'}")
         return out
 
@@ -81,25 +82,24 @@ def zero_filled_bytes(cfg, dtype_bytes: int) -> int:
     return sum(math.prod(shapes[n]) * dtype_bytes for n in names.clover_tensor_names(cfg))
 
 
-def plan_disk(out: Path, cfg, model_dir: Path, precision: str, weights: str, todo: dict[str, bool],
-              engine_bytes: int | None) -> DiskPlan:
-    """`todo`: stage name -> whether it will run (False: reused); `engine_bytes`: None when no engine is built."""
-    plan = DiskPlan(Path(out), free_bytes(out))
+def export_bytes(cfg, model_dir: Path, weights: str, dtype_bytes: int) -> int:
+    """One exported graph: graph and manifest, the shards where they are copied, the zero-filled tensors."""
     from clover_export.artifact.manifest import COPY_BELOW
 
     ckpt = checkpoint_bytes(model_dir)
     # link mode copies a small checkpoint where the filesystem has no reflinks (exports.md): counted either way
     shards = ckpt if weights == "copy" or ckpt <= COPY_BELOW else 0
-    for dtype, nbytes in (("fp32", 4), ("bf16", 2)):
-        plan.stages[f"export-{dtype}"] = GRAPH_BYTES + shards + zero_filled_bytes(cfg, nbytes)
-    if precision == "fp8":
-        plan.stages["fp8-weights"] = fp8_weight_file_bytes(cfg)
-        plan.stages["quantize (2 graphs)"] = 2 * GRAPH_BYTES
-    if engine_bytes is not None:
-        plan.stages["engine"] = engine_bytes
-    for name in plan.stages:
-        if not todo.get(name, True):
-            plan.stages[name] = 0
+    return GRAPH_BYTES + shards + zero_filled_bytes(cfg, dtype_bytes)
+
+
+def plan_disk(ctx, stages) -> DiskPlan:
+    """What each of `stages` (`context.Stage`) will write into ctx.out: its `disk` figure, 0 when it will be
+    reused (`BuildContext.done`); stages without a figure are left out."""
+    plan = DiskPlan(Path(ctx.out), free_bytes(ctx.out))
+    for stage in stages:
+        n = stage.disk(ctx) if stage.disk is not None else None
+        if n is not None:
+            plan.stages[stage.name] = 0 if ctx.done(stage) else n
     return plan
 
 

@@ -33,7 +33,7 @@ def _version(module: str) -> str | None:
 
 
 def collect() -> Facts:
-    from clover_export.tensorrt.builder import probe_tensorrt
+    from clover_export.engines.builder import probe_tensorrt
 
     trt_version, trt_error = probe_tensorrt()
     f = Facts(torch=_version("torch"), onnxruntime=_version("onnxruntime"), tensorrt=trt_version,
@@ -112,7 +112,7 @@ def report(f: Facts) -> list[str]:
 
 def engine_build_notes(f: Facts, environ=None) -> list[str]:
     """The FP8-flag and shared-memory choices a build would make with this machine's TensorRT and GPU."""
-    from clover_export.tensorrt.builder import build_notes
+    from clover_export.engines.builder import build_notes
 
     gpu = f.gpus[0] if f.gpus else None
     usable = f.tensorrt if tensorrt_problem(f) is None else None

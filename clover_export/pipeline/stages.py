@@ -1,19 +1,25 @@
 """The build's stages (`context.Stage`), each writing its own folder atomically; `build.py` runs them in order.
 
-Each stage logs one line saying what it made, or, reused, what it took back
-(`BuildContext.run`). Stages without `reuse` are checks, run every time.
+Each stage carries its folder, what its key is made from, the bytes it
+writes and the problems it can find before the build starts; `stage_list`
+puts a build's stages in order, once, and `checks.check_inputs`, the disk
+plan, the work beside the stages (`background.py`) and `build.py` all read
+that one list. Each stage logs one line saying what it made, or, reused,
+what it took back (`BuildContext.run`). Stages without `reuse` are checks,
+run every time. Every stage's name is written here and nowhere else.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 from functools import partial
+from pathlib import Path
 
 from clover_export.core.errors import CloverError
-from clover_export.pipeline.context import BuildContext, BuildResult, Stage, stage_key
+from clover_export.pipeline import disk_plan
+from clover_export.pipeline.context import BuildContext, BuildResult, Stage
 from clover_export.verify.agreement import FP8_MIN_AGREEMENT
 
 log = logging.getLogger(__name__)
@@ -42,11 +48,18 @@ def finish(ctx: BuildContext) -> BuildResult:
 
 
 # --- export and validation ------------------------------------------------------------------------------------
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # the exported graphs' dtypes
+
+
+def graph_folder(dtype: str) -> str:
+    return f"onnx-{dtype}"
+
+
 def export_args(ctx: BuildContext, dtype: str) -> dict:
     """`exporter.export.export`'s arguments for the build's `dtype` graph (here or in a background process)."""
     o = ctx.opts
-    return dict(model=ctx.model_dir, out=ctx.out / f"onnx-{dtype}", dtype=dtype, weights=o.weights, chunk=o.chunk,
-                max_batch=o.max_batch, max_len=ctx.max_context, allow_qwen=o.allow_qwen, force=True)
+    return dict(model=ctx.model_dir, out=ctx.out / graph_folder(dtype), dtype=dtype, weights=o.weights,
+                chunk=o.chunk, max_batch=o.max_batch, max_len=ctx.max_context, allow_qwen=o.allow_qwen, force=True)
 
 
 def _export(dtype: str, ctx: BuildContext) -> dict:
@@ -64,8 +77,14 @@ def _export(dtype: str, ctx: BuildContext) -> dict:
 
 def export_graph(dtype: str) -> Stage:
     """The `dtype` step graph in onnx-<dtype>/: exported here, or collected from the background export."""
-    return Stage(f"export-{dtype}", partial(_export, dtype), folder=f"onnx-{dtype}",
-                 reuse=lambda ctx, rec: f"[export {dtype}] reused onnx-{dtype} (inputs unchanged)")
+    folder = graph_folder(dtype)
+    return Stage(f"export-{dtype}", partial(_export, dtype), folder=folder,
+                 reuse=lambda ctx, rec: f"[export {dtype}] reused {folder} (inputs unchanged)",
+                 key=lambda ctx: ("export", dtype, *ctx.base),
+                 disk=lambda ctx: disk_plan.export_bytes(ctx.cfg, ctx.model_dir, ctx.opts.weights, DTYPE_BYTES[dtype]))
+
+
+EXPORT = {dtype: export_graph(dtype) for dtype in DTYPE_BYTES}
 
 
 def _validate(name: str, ctx: BuildContext) -> dict:
@@ -81,9 +100,13 @@ def _validate(name: str, ctx: BuildContext) -> dict:
 
 def validate_graph(dtype: str) -> Stage:
     """The whole onnx-<dtype> graph against the reference model (`verify.validate`)."""
-    name = f"onnx-{dtype}"
+    name = graph_folder(dtype)
     return Stage(f"validate-{name}", partial(_validate, name),
-                 reuse=lambda ctx, rec: f"[validate {name}] reused: passed before")
+                 reuse=lambda ctx, rec: f"[validate {name}] reused: passed before",
+                 key=lambda ctx: ("validate", dtype, *ctx.base))
+
+
+VALIDATE = {dtype: validate_graph(dtype) for dtype in DTYPE_BYTES}
 
 
 def _validate_slices(ctx: BuildContext) -> dict:
@@ -100,7 +123,8 @@ def _validate_slices(ctx: BuildContext) -> dict:
 
 # the first layer of each kind at full width, with embedding, norm and lm_head (`verify.slice`)
 VALIDATE_SLICES = Stage("validate-slices", _validate_slices,
-                        reuse=lambda ctx, rec: f"[validate slices] reused: {'; '.join(rec['lines'])}")
+                        reuse=lambda ctx, rec: f"[validate slices] reused: {'; '.join(rec['lines'])}",
+                        key=lambda ctx: ("validate-slices", *ctx.base))
 
 
 def _bf16_checked_at_export(ctx: BuildContext) -> None:
@@ -109,8 +133,8 @@ def _bf16_checked_at_export(ctx: BuildContext) -> None:
              "(the slice ran the same traced code in fp32)")
 
 
-# slice validation: what the bf16 graph had instead (a check: nothing recorded)
-BF16_CHECKED_AT_EXPORT = Stage("validate-onnx-bf16", _bf16_checked_at_export)
+# slice validation: what the bf16 graph had instead (a check, under the whole graph's validation's name)
+BF16_CHECKED_AT_EXPORT = Stage(VALIDATE["bf16"].name, _bf16_checked_at_export)
 
 
 # --- FP8 ------------------------------------------------------------------------------------------------------
@@ -135,6 +159,32 @@ def _calibrate(ctx: BuildContext) -> dict:
     return {"amax": ctx.amax, "prompts": n}
 
 
+def _calibration_problems(ctx: BuildContext) -> list[CloverError]:
+    """The calibration prompts (--calib or the built-in ones), the mask token, and the tokenizer and chat
+    template on those prompts (on a built-in one when --calib is itself a problem); into ctx: the prompts."""
+    from clover_export.quantize.calibration import BUILTIN_PROMPTS, prompt_batch, read_prompts
+
+    problems, cfg = [], ctx.cfg
+    texts = _attempt(problems, read_prompts, ctx.opts.calib)
+    _attempt(problems, cfg.require_mask_token)
+    batch = _attempt(problems, prompt_batch, ctx.model_dir, texts or BUILTIN_PROMPTS[:1], cfg.block_size)
+    if batch is not None and (bad := [t for row in batch.ids for t in row if not 0 <= t < cfg.vocab_size]):
+        problems.append(CloverError("calibration", f"{ctx.model_dir / 'tokenizer.json'} gives token id {bad[0]} for "
+                                    f"the calibration prompts, outside the vocabulary (size {cfg.vocab_size}) of "
+                                    f"{cfg.source}"))
+    ctx.calibration_prompts, ctx.prompts = texts or [], batch
+    return problems
+
+
+def _attempt(problems: list[CloverError], fn, *args):
+    """fn(*args), or None with its CloverError added to `problems`."""
+    try:
+        return fn(*args)
+    except CloverError as e:
+        problems.append(e)
+        return None
+
+
 def _calibrated_before(ctx: BuildContext, rec: dict) -> str:
     if ctx.shared:
         ctx.shared.clear()  # 3 GiB at full size: not held past the calibration
@@ -143,7 +193,8 @@ def _calibrated_before(ctx: BuildContext, rec: dict) -> str:
 
 
 # activation ranges of the reference model on the calibration prompts, streamed layer by layer
-CALIBRATE = Stage("calibrate", _calibrate, reuse=_calibrated_before)
+CALIBRATE = Stage("calibrate", _calibrate, reuse=_calibrated_before, checks=_calibration_problems,
+                  key=lambda ctx: ("calibrate", ctx.calibration_prompts, *ctx.base))
 
 
 def fp8_weights_record(weights, seconds: float) -> dict:
@@ -153,7 +204,7 @@ def fp8_weights_record(weights, seconds: float) -> dict:
 def _fp8_weights(ctx: BuildContext) -> dict:
     from clover_export.quantize.weights import quantize_weights
 
-    folder, t = ctx.out / "fp8-weights", time.perf_counter()
+    folder, t = ctx.out / FP8_WEIGHTS.folder, time.perf_counter()
     if ctx.writer is not None:
         weights = ctx.writer.result()
         waited = time.perf_counter() - t
@@ -165,7 +216,7 @@ def _fp8_weights(ctx: BuildContext) -> dict:
         from clover_export.model.sizing import fp8_weight_names
         from clover_export.quantize.graph import source_plans
 
-        art = load_artifact(ctx.out / "onnx-fp32")
+        art = load_artifact(ctx.out / EXPORT["fp32"].folder)
         weights = quantize_weights(source_plans(art), fp8_weight_names(art.config), folder,
                                    progress=lambda it: tqdm(it, desc="quantize", unit="tensor", leave=False))
         sec, how = time.perf_counter() - t, "here"
@@ -178,12 +229,14 @@ def _fp8_weights(ctx: BuildContext) -> dict:
 def _fp8_weights_before(ctx: BuildContext, rec: dict) -> str:
     from clover_export.quantize.weights import load_fp8_weights
 
-    ctx.weights = load_fp8_weights(ctx.out / "fp8-weights")
-    return f"[quantize] reused fp8-weights ({ctx.weights.bytes_written / 2**30:.2f} GiB)"
+    ctx.weights = load_fp8_weights(ctx.out / FP8_WEIGHTS.folder)
+    return f"[quantize] reused {FP8_WEIGHTS.folder} ({ctx.weights.bytes_written / 2**30:.2f} GiB)"
 
 
 # the FP8 weight file both FP8 graphs link: taken from the background writer (`background.py`) or written here
-FP8_WEIGHTS = Stage("fp8-weights", _fp8_weights, folder="fp8-weights", reuse=_fp8_weights_before)
+FP8_WEIGHTS = Stage("fp8-weights", _fp8_weights, folder="fp8-weights", reuse=_fp8_weights_before,
+                    key=lambda ctx: ("fp8-weights", *ctx.base),
+                    disk=lambda ctx: disk_plan.fp8_weight_file_bytes(ctx.cfg))
 
 
 def _quantize(source: str, name: str, ctx: BuildContext) -> dict:
@@ -200,7 +253,14 @@ def _quantize(source: str, name: str, ctx: BuildContext) -> dict:
 def quantize(source: str, name: str) -> Stage:
     """The FP8 Q/DQ graph `name` made from the graph `source`, its weights linked from fp8-weights/."""
     return Stage(f"quantize-{name}", partial(_quantize, source, name), folder=name,
-                 reuse=lambda ctx, rec: f"[quantize] reused {name}")
+                 reuse=lambda ctx, rec: f"[quantize] reused {name}",
+                 key=lambda ctx: ("quantize", name, ctx.key(CALIBRATE), ctx.key(FP8_WEIGHTS)),
+                 disk=lambda ctx: disk_plan.GRAPH_BYTES)
+
+
+# FP8 on fp32 activations (its accuracy measured in ONNX Runtime), and on bf16 ones (what TensorRT builds from)
+QUANTIZE_FP32 = quantize(EXPORT["fp32"].folder, "onnx-fp8")
+QUANTIZE_BF16 = quantize(EXPORT["bf16"].folder, "onnx-fp8-bf16")
 
 
 def _agreement(ctx: BuildContext) -> dict | None:
@@ -210,7 +270,7 @@ def _agreement(ctx: BuildContext) -> dict | None:
         return None
     from clover_export.verify.agreement import HELDOUT_PROMPTS, agreement
 
-    a = agreement(ctx.out / "onnx-fp32", ctx.out / "onnx-fp8", ctx.model_dir, HELDOUT_PROMPTS)
+    a = agreement(ctx.out / EXPORT["fp32"].folder, ctx.out / QUANTIZE_FP32.folder, ctx.model_dir, HELDOUT_PROMPTS)
     log.info(f"[validate onnx-fp8] {a.line()}")
     ctx.agreement = {"line": a.line(), "top1_agreement": a.top1_agreement, "max_abs_logit_error": a.max_abs_logit_error}
     return ctx.agreement
@@ -222,7 +282,8 @@ def _agreed_before(ctx: BuildContext, rec: dict) -> str:
 
 
 # top-1 agreement of onnx-fp8 with onnx-fp32 on held-out prompts (whole-graph validation only)
-FP8_AGREEMENT = Stage("validate-onnx-fp8", _agreement, reuse=_agreed_before)
+FP8_AGREEMENT = Stage(f"validate-{QUANTIZE_FP32.folder}", _agreement, reuse=_agreed_before,
+                      key=lambda ctx: ("agreement", ctx.key(CALIBRATE)))
 
 
 def _fp8_gate(ctx: BuildContext) -> None:
@@ -240,11 +301,12 @@ FP8_GATE = Stage("fp8-gate", _fp8_gate)
 def _twins(ctx: BuildContext) -> None:
     from clover_export.verify.twins import require_twins
 
-    log.info(f"[validate onnx-fp8-bf16] {require_twins(ctx.out / 'onnx-fp8', ctx.out / 'onnx-fp8-bf16')}")
+    fp32, bf16 = ctx.out / QUANTIZE_FP32.folder, ctx.out / QUANTIZE_BF16.folder
+    log.info(f"[validate {bf16.name}] {require_twins(fp32, bf16)}")
 
 
 # onnx-fp8-bf16 is onnx-fp8 up to dtype, so the agreement measured on onnx-fp8 holds for it (`verify.twins`)
-TWINS = Stage("validate-onnx-fp8-bf16", _twins)
+TWINS = Stage(f"validate-{QUANTIZE_BF16.folder}", _twins)
 
 
 # --- engine ---------------------------------------------------------------------------------------------------
@@ -256,44 +318,66 @@ def _facts(ctx: BuildContext):
     return ctx.facts
 
 
-def _engine_key(ctx: BuildContext) -> str | None:
+def _engine_blocker(ctx: BuildContext) -> str | None:
+    """Why no engine of the build's precision can be built here (`doctor.engine_blocker`), or None."""
     from clover_export.pipeline.doctor import engine_blocker
 
-    facts = _facts(ctx)
-    if engine_blocker(ctx.opts.precision, facts):
+    return engine_blocker(ctx.opts.precision, _facts(ctx))
+
+
+def _engine_key(ctx: BuildContext) -> tuple | None:
+    if _engine_blocker(ctx):
         return None
-    return stage_key("engine", ctx.opts.precision, ctx.opts.strip_weights, facts.tensorrt, facts.gpus[0]["name"],
-                     *ctx.base)
+    facts = _facts(ctx)
+    return "engine", ctx.opts.precision, ctx.opts.strip_weights, facts.tensorrt, facts.gpus[0]["name"], *ctx.base
+
+
+def _engine_bytes(ctx: BuildContext) -> int | None:
+    """The plan's size (its weights, unless stripped); None where no engine will be built."""
+    from clover_export.model.sizing import weight_bytes
+
+    if _engine_blocker(ctx):
+        return None
+    return 0 if ctx.opts.strip_weights else weight_bytes(ctx.cfg, ctx.opts.precision)
+
+
+def _engine_problems(ctx: BuildContext) -> list[CloverError]:
+    why = _engine_blocker(ctx) if ctx.opts.require_engine else None
+    return [CloverError("build", f"--require-engine: no engine can be built here: {why}",
+                        "run `clover-export doctor` to see what is missing")] if why else []
 
 
 def _engine(graph_name: str, ctx: BuildContext) -> dict | None:
-    from clover_export.pipeline.doctor import engine_blocker
-
-    why = engine_blocker(ctx.opts.precision, _facts(ctx))
+    why = _engine_blocker(ctx)
     if why:
         log.info(f"[engine] skipped: {why}; the ONNX graphs above are complete and validated")
         ctx.result.skipped.append(why)
-        ctx.stages.record("engine", "skipped", {"skipped": why})
+        ctx.stages.record(ENGINE_STAGE, "skipped", {"skipped": why})
         if ctx.opts.require_engine:
             raise CloverError("build", f"no engine was built: {why}",
                               "run `clover-export doctor` to see what is missing")
         return None
     from clover_export.artifact.manifest import load_artifact
-    from clover_export.core.atomic import atomic_write
+    from clover_export.engines.builder import build_engine
+    from clover_export.engines.profiles import BuildSettings
     from clover_export.exporter.trt_graph import TRT_GRAPH
-    from clover_export.tensorrt.builder import build_engine
-    from clover_export.tensorrt.profiles import BuildSettings
 
     graph = ctx.out / graph_name
-    art = load_artifact(graph)
     plan_path = graph / ENGINE_FILE  # beside its graph: `generate GRAPH_DIR --backend trt` finds it there
     settings = BuildSettings(ctx.opts.precision, 4 * 1024**3, ctx.opts.strip_weights, str(ctx.out / "timing.cache"))
-    info = build_engine(graph / TRT_GRAPH, plan_path, art.manifest["profiles"], settings)  # no clover functions
-    manifest = {**art.manifest, "engine": ENGINE_FILE, "engine_info": info}
-    atomic_write(graph / "manifest.json", json.dumps(manifest, indent=2).encode())
+    info = build_engine(graph / TRT_GRAPH, plan_path, load_artifact(graph).manifest.profiles, settings)
+    record_engine(graph, info)
     log.info(f"[engine] {plan_path}: {info['bytes'] / 2**20:.1f} MiB, TensorRT {info['tensorrt']}")
     ctx.result.engine = plan_path
     return {**info, "graph": graph.name}
+
+
+def record_engine(graph: Path, info: dict) -> None:
+    """The graph folder's manifest names the engine built beside it (ENGINE_FILE) with the builder's record
+    (`engines.builder.build_engine`): where the trt backend finds the plan and the graph to refit it from."""
+    from clover_export.artifact.manifest import Engine, Manifest
+
+    Manifest.load(graph).replace(engine=Engine.from_json(ENGINE_FILE, info)).write(graph)
 
 
 def _engine_before(graph_name: str, ctx: BuildContext, rec: dict) -> str:
@@ -304,5 +388,25 @@ def _engine_before(graph_name: str, ctx: BuildContext, rec: dict) -> str:
 def engine(graph_name: str) -> Stage:
     """The TensorRT engine of the graph `graph_name`, beside it; skipped with the reason where no engine can
     be built here (the build still succeeds, unless --require-engine)."""
-    return Stage("engine", partial(_engine, graph_name), folder=f"{graph_name}/{ENGINE_FILE}",
-                 reuse=partial(_engine_before, graph_name), key=_engine_key)
+    return Stage(ENGINE_STAGE, partial(_engine, graph_name), folder=f"{graph_name}/{ENGINE_FILE}",
+                 reuse=partial(_engine_before, graph_name), key=_engine_key, disk=_engine_bytes,
+                 checks=_engine_problems)
+
+
+ENGINE_STAGE = "engine"
+
+
+def stage_list(whole: bool, fp8: bool) -> tuple[Stage, ...]:
+    """Every stage of a build, in order, the engine last (`build.py` runs it after the work beside the
+    stages has been collected). `whole`: whole-graph validation, else the full-width slice
+    (`checks.validation_mode`)."""
+    stages = [EXPORT["fp32"], VALIDATE["fp32"] if whole else VALIDATE_SLICES]
+    if whole:
+        stages += [EXPORT["bf16"], VALIDATE["bf16"]]
+    if fp8:
+        stages.append(CALIBRATE)
+    if not whole:  # the background export, collected after the calibration that runs beside it
+        stages += [EXPORT["bf16"], BF16_CHECKED_AT_EXPORT]
+    if fp8:
+        stages += [FP8_WEIGHTS, QUANTIZE_FP32, QUANTIZE_BF16, FP8_AGREEMENT, FP8_GATE, TWINS]
+    return (*stages, engine(QUANTIZE_BF16.folder if fp8 else EXPORT["bf16"].folder))

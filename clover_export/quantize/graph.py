@@ -24,15 +24,14 @@ the weights, calls it and writes the folder through `exporter.writer.ArtifactWri
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from clover_export.artifact.manifest import COPY_BELOW, WEIGHTS_DIR, load_artifact, read_weight_map
-from clover_export.artifact.manifest import pool_len as artifact_pool_len
+from clover_export.artifact.manifest import COPY_BELOW, WEIGHTS_DIR, Quantization, load_artifact, read_weight_map
 from clover_export.core.checkpoint import locate_tensors, plan_tensors
 from clover_export.core.errors import CloverError
 from clover_export.exporter.onnx_graph import node_reads
@@ -81,7 +80,7 @@ def _fp8_pair(name: str, entry: dict, location: str) -> tuple[TensorProto, Tenso
 
 def source_plans(art) -> dict:
     """The checkpoint tensor plans of an exported artifact (its manifest names the model folder)."""
-    return plan_tensors(art.config, locate_tensors(Path(art.manifest["model_dir"])), allow_qwen=True)
+    return plan_tensors(art.config, locate_tensors(art.model_dir), allow_qwen=True)
 
 
 def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include_lm_head: bool = False,
@@ -101,14 +100,13 @@ def quantize_graph(src_dir: Path, out_dir: Path, amax: dict[str, float], include
         proto, report = rewrite_fp8(source, amax, index, art.dtype, include_lm_head=include_lm_head)
         report.bytes_written = bytes_written
         linked = _link_source_files(proto.graph, art.dir, dest.dir)
-        manifest = dict(art.manifest)
-        manifest["quantization"] = {**report.to_dict(), "source": str(art.dir.resolve())}
-        manifest["ops"] = manifest_entry(custom_ops(proto))
-        manifest["weights"] = {**manifest["weights"], "fp8_file": FP8_FILE, "source_files": linked}
+        manifest = art.manifest.replace(
+            quantization=Quantization(str(art.dir.resolve()), report.to_dict()), ops=manifest_entry(custom_ops(proto)),
+            weights=replace(art.manifest.weights, fp8_file=FP8_FILE, source_files=linked), engine=None)
         engine_bound = art.dtype != "fp32" and art.weights_mode != "map"
+        pool_len = min(art.manifest.max_context, art.config.max_context)
         dest.write(proto, manifest, {"mode": art.weights_mode, "tensors": fp8_weight_map(proto, source_map)},
-                   companions_from=art.dir,
-                   tensorrt_pool_len=artifact_pool_len(art.manifest, art.config.max_context) if engine_bound else None)
+                   companions_from=art.dir, tensorrt_pool_len=pool_len if engine_bound else None)
         dest.commit()
     return report
 

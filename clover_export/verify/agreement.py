@@ -71,14 +71,14 @@ def agreement(reference_dir: Path, candidate_dir: Path, model_dir: Path, prompts
 
 def validate_fp8(art, min_agreement: float = FP8_MIN_AGREEMENT) -> tuple[str, bool]:
     """(report line, passed) of an FP8 artifact against the graph it was quantized from."""
-    from clover_export.artifact.manifest import load_artifact
+    from clover_export.artifact.manifest import MANIFEST, load_artifact
 
-    source = Path(art.manifest["quantization"]["source"])
-    model_dir = Path(art.manifest["model_dir"])
+    source = Path(art.manifest.quantization.source)
+    model_dir = art.model_dir
     if art.dtype != "fp32":
         raise CloverError("validate", f"{art.dir}: an FP8 graph on bf16 activations; ONNX Runtime's CPU EP has no "
                           "bf16 kernels", "validate its fp32-activation twin (onnx-fp8 of the same build) instead")
-    if not (source / "manifest.json").exists():
+    if not (source / MANIFEST).exists():
         raise CloverError("validate", f"{art.dir}: the graph it was quantized from ({source}) is gone")
     load_artifact(source)
     a = agreement(source, art.dir, model_dir, HELDOUT_PROMPTS)

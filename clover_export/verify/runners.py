@@ -69,7 +69,7 @@ class TorchRunner:
         model-dtype inputs (`fp32_cores`)."""
         from clover_export.model.loading import load_model
 
-        model_dir = Path(art.manifest["model_dir"])
+        model_dir = art.model_dir
         if not model_dir.exists():
             raise CloverError("validate", f"{model_dir}: the model folder the graph was exported from is gone",
                               "validate needs the reference model; export again from an existing folder")

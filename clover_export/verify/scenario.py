@@ -58,9 +58,7 @@ def scenario(block_size: int, chunk: int, batch: int = 2) -> list[StepPlan]:
 
 def profile_batch(art: Artifact) -> int:
     """The largest batch any optimisation profile of the manifest allows (export.profiles)."""
-    from clover_export.exporter.trace import BATCH
-
-    return max(int(p["dims"][BATCH][2]) for p in art.manifest["profiles"])
+    return art.manifest.max_batch
 
 
 LOGIT_ROWS = 4  # R of the scenario's steps

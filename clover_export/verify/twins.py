@@ -221,20 +221,17 @@ def require_twins(fp8_dir: str | Path, fp8_bf16_dir: str | Path) -> TwinReport:
 def find_twin(bf16_dir: str | Path) -> Path:
     """The fp32-activation twin of an FP8 graph on bf16 activations: a sibling FP8 graph on fp32 activations of
     the same config (in a build: `onnx-fp8` beside `onnx-fp8-bf16`)."""
-    import json
-
-    from clover_export.artifact.manifest import MANIFEST
+    from clover_export.artifact.manifest import MANIFEST, Manifest
 
     bf16_dir = Path(bf16_dir).absolute()
-    mine = json.loads((bf16_dir / MANIFEST).read_text())
+    mine = Manifest.load(bf16_dir, component="validate").config.fingerprint()
     found = []
     for d in sorted(bf16_dir.parent.iterdir()):
         try:
-            m = json.loads((d / MANIFEST).read_text())
-        except (OSError, ValueError):
+            m = Manifest.load(d) if (d / MANIFEST).is_file() else None
+        except CloverError:  # not a graph of this version: not a twin
             continue
-        if ("quantization" in m and m.get("dtype") == "fp32"
-                and m.get("config_fingerprint") == mine.get("config_fingerprint")):
+        if m is not None and m.quantization is not None and m.dtype == "fp32" and m.config.fingerprint() == mine:
             found.append(d)
     if len(found) != 1:
         raise CloverError("validate", f"{bf16_dir}: an FP8 graph on bf16 activations is validated through its "

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Sequence
 
+from clover_export.artifact.manifest import Profile
 from clover_export.core.atomic import atomic_write
 from clover_export.core.errors import CloverError
-from clover_export.tensorrt.profiles import BuildSettings
+from clover_export.engines.profiles import BuildSettings
 
 INSTALL_NOTE = "install the tensorrt wheel matching your CUDA (pip install tensorrt) on a machine with an NVIDIA GPU"
 BROKEN_NOTE = ("the tensorrt package is there but its import failed: check that the TensorRT and CUDA libraries "
@@ -171,9 +173,9 @@ def fp8_builder_flag(trt_version: str, fp8_plugins: bool, strongly_typed: bool, 
 def build_notes(trt_version: str | None, arch: int | None, environ=None) -> list[str]:
     """What the engine build decides for FP8 plugins and the AOT kernels' shared memory, one line each
     (`doctor`; the build logs the same lines for its own graph). Without TensorRT: what 10.x would get."""
+    from clover_export.engines.profiles import BuildSettings
     from clover_export.plugins.trt.plan import shared_memory_note
     from clover_export.plugins.trt.versions import parse_version
-    from clover_export.tensorrt.profiles import BuildSettings
 
     lines = []
     version = trt_version or "10.9"
@@ -200,7 +202,7 @@ def _build_arch() -> int | None:
     return major * 10 + minor
 
 
-def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], settings: BuildSettings) -> dict:
+def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: Sequence[Profile], settings: BuildSettings) -> dict:
     """Parse `model.trt.onnx` (plugins registered and checked), build one strongly typed engine, write the plan
     atomically. Every plugin is AOT: the plan runs without Python. Logs the FP8-flag and shared-memory choices."""
     import onnx
@@ -255,9 +257,9 @@ def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], set
             raise CloverError("tensorrt", f"TensorRT {trt.__version__} has no PreviewFeature.{name}",
                               "the cache-pool plugins need it; use a TensorRT that has it")
         config.set_preview_feature(feature, True)
-    for p in profiles:  # the manifest's profiles: input name -> {"min", "opt", "max"}
+    for p in profiles:  # the manifest's profiles (`artifact.manifest.Profile`): input -> {"min", "opt", "max"}
         prof = builder.create_optimization_profile()
-        for name, s in p["shapes"].items():
+        for name, s in p.shapes.items():
             prof.set_shape(name, s["min"], s["opt"], s["max"])
         config.add_optimization_profile(prof)
     cache = None
@@ -276,7 +278,7 @@ def build_engine(trt_onnx_path: Path, plan_path: Path, profiles: list[dict], set
         atomic_write(Path(settings.timing_cache), memoryview(cache.serialize()))
     return {"tensorrt": trt.__version__, "plan": plan_path.name, "bytes": plan_path.stat().st_size,
             "graph": Path(trt_onnx_path).name, "plugin_layers": sum(expected.values()),
-            "profiles": [p["name"] for p in profiles], "stripped": settings.strip_weights,
+            "profiles": [p.name for p in profiles], "stripped": settings.strip_weights,
             "fp8_builder_flag": set_fp8, "aot_shared_memory_bytes": budget}
 
 
