@@ -461,8 +461,9 @@ def _check_door(request: Request, body: bytes, door) -> tuple[Call, dict[str, An
     """A door's request checked as `_check_request` checks OpenAI's: (its Call, the engine's submit kwargs)."""
     gen = _ready_generator(request)
     data = protocol.parse_json(body, gen.max_context)
+    parser = tool_calls.parser_for(gen.tokenizer.template_source, request.app.state.options.tool_call_parser)
     try:
-        call = door.admit(data, gen.defaults.enable_thinking)
+        call = door.admit(data, gen.defaults.enable_thinking, parser)
     except ValidationError as e:
         raise protocol.validation_error(e, data) from None
     _check_model(request, call.model)
@@ -506,7 +507,7 @@ async def _door(request: Request, door, call: Call, kwargs: dict[str, Any]):
         first = await _next_event(job, request, deadline)
         if first.kind == "error":
             raise renamed(_failure(first.value, True), call.renames)
-        writer, pieces = door.Writer(call), Pieces(sub.thinking)
+        writer, pieces = door.Writer(call), Pieces(sub)
         if sub.stream:
             events = _door_events(request, job, (writer, pieces, call), first.value, deadline)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
