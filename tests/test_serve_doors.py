@@ -244,6 +244,24 @@ def test_a_forced_tool_with_thinking_on_is_refused(server, claude):
     assert "'tool_choice'" in e.value.body["error"]["message"]
 
 
+def test_count_tokens_is_the_prompt_of_the_same_messages_request(server, claude, library):
+    """messages.count_tokens: the ChatML prompt written out by hand; with tools and a forced tool, the prompt
+    /v1/messages feeds the model for the same request (its usage); Anthropic's errors, the key as x-api-key."""
+    counted = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": "Hi"}],
+                                           thinking={"type": "disabled"})
+    assert counted.input_tokens == len(library.encode(f"{SYSTEM_HI}<|im_start|>assistant\n<think>\n\n</think>\n\n").ids)
+    args = dict(model=MODEL, tools=[SORT_TOOL, REVERSE_TOOL], tool_choice={"type": "tool", "name": "reverse_digits"},
+                messages=SORT_ASK)
+    out = claude.messages.create(max_tokens=2, **args)
+    assert claude.messages.count_tokens(**args).input_tokens == \
+        out.usage.input_tokens + out.usage.cache_read_input_tokens
+    r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": []}, {"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "'messages'" in r.json()["error"]["message"]
+    r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": SORT_ASK}, {"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
 HOSTILE_MESSAGES = {
     "temperature-above-anthropic-range": ({"temperature": 1.5}, "temperature"),
     "no-max-tokens": ({"max_tokens": None}, "max_tokens"),
@@ -330,12 +348,13 @@ def test_the_messages_writer_folds_pieces_into_blocks_the_sdk_reads():
 
 # --- /v1/responses: the openai client ------------------------------------------------------------------------------
 def test_responses_create_answers_as_chat_completions(server, oai, library):
+    msg, finish, use = chat(server, [{"role": "user", "content": QUESTION}])  # its prompt now in the prefix cache
     out = oai.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=40)
-    msg, finish, use = chat(server, [{"role": "user", "content": QUESTION}])
+    _, _, again = chat(server, [{"role": "user", "content": QUESTION}])  # as much read from the cache
     assert msg["content"] and out.output_text == msg["content"]
     assert out.status == {"stop": "completed", "length": "incomplete"}[finish]
     assert (out.usage.input_tokens, out.usage.output_tokens) == (use["prompt_tokens"], use["completion_tokens"])
-    assert out.usage.input_tokens_details.cached_tokens == use["prompt_tokens_details"]["cached_tokens"]
+    assert out.usage.input_tokens_details.cached_tokens == again["prompt_tokens_details"]["cached_tokens"] > 0
     assert out.model == MODEL and out.id.startswith("resp_")
     hand = SYSTEM_HI + "<|im_start|>assistant\n<think>\n"
     told = oai.responses.create(model=MODEL, instructions=SYSTEM, input="Hi", max_output_tokens=1)
@@ -368,7 +387,8 @@ def test_function_call_items_round_trip_as_chat_tool_messages(server, oai):
                            {"id": "c1", "type": "function",
                             "function": {"name": "sort", "arguments": '{"xs": [3, 1, 2]}'}}]},
                        {"role": "tool", "tool_call_id": "c1", "content": "1 2 3"}]
-    msg, _, use = chat(server, openai_messages, max_tokens=8)
+    chat_tools = [{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}]
+    msg, _, use = chat(server, openai_messages, max_tokens=8, tools=chat_tools)
     out = oai.responses.create(model=MODEL, input=items, tools=tools, tool_choice="auto", temperature=0,
                                max_output_tokens=8)
     assert out.usage.input_tokens == use["prompt_tokens"] and out.output_text == msg["content"]

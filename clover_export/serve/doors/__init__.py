@@ -11,7 +11,8 @@ A generation door is one module (`messages.py`: Anthropic Messages, `responses.p
   events; `body` is the non-streamed answer), so streamed and whole answers are one fold over the same pieces;
   `error(err)`: the events of a failure after the stream began.
 
-`tokens.py` (/tokenize, /detokenize) answers from the tokenizer alone. The HTTP loop that runs a door's Call
+`tokens.py` (/tokenize, /detokenize) and `messages.admit_count` (/v1/messages/count_tokens) answer from the
+tokenizer alone. The HTTP loop that runs a door's Call
 through the engine is app.py's `_door`.
 """
 
@@ -28,7 +29,8 @@ TOKENS = tokens
 
 def door_for(path: str):
     """The generation or token door module serving `path`, or None (OpenAI's own endpoints)."""
-    return {messages.PATH: messages, responses.PATH: responses, **{p: tokens for p in tokens.PATHS}}.get(path)
+    return {messages.PATH: messages, messages.COUNT_PATH: messages, responses.PATH: responses,
+            **{p: tokens for p in tokens.PATHS}}.get(path)
 
 
 def error_body(path: str, err: ApiError) -> dict[str, Any]:

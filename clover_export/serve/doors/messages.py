@@ -31,6 +31,7 @@ from clover_export.serve.doors.common import (
 from clover_export.serve.protocol import MAX_MESSAGES, MAX_STOP, STRICT, ApiError, ranged, refuse
 
 PATH = "/v1/messages"
+COUNT_PATH = "/v1/messages/count_tokens"
 X_API_KEY = True  # Anthropic's clients send the key as `x-api-key`
 MAX_TOOLS = 128
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
@@ -168,6 +169,12 @@ def admit(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Cal
         chat["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     sub = chat_submission(chat, default_thinking, tool_parser)
     return Call(sub, req.model, renames={"stop": "stop_sequences"})
+
+
+def admit_count(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Call:
+    """`POST /v1/messages/count_tokens`: the body of /v1/messages, `max_tokens` not needed (the prompt alone is
+    counted: the ids the same request to /v1/messages would feed the model)."""
+    return admit({"max_tokens": 1, **data} if isinstance(data, dict) else data, default_thinking, tool_parser)
 
 
 def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
