@@ -277,6 +277,7 @@ HOSTILE_MESSAGES = {
     "bad-decoding": ({"decoding": "magic"}, "decoding"),
     "server-tool": ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]},
                     "tools[0].type"),
+    "two-tools-of-one-name": ({"tools": [SORT_TOOL, SORT_TOOL]}, "tools[1].name"),
     "over-the-context": ({"max_tokens": 10 ** 6}, None),
 }
 
@@ -439,6 +440,7 @@ def test_a_named_function_is_a_function_call_item_and_its_output_round_trips(ser
      "not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'tools[0].type'"),
     ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", '"nope"'),
+    ({"tools": FUNCTIONS[:1] * 2}, "tools[1].name", "'tools[1].name' repeats"),
     ({"max_output_tokens": 10 ** 6}, "input", "lower max_output_tokens"),
     ({"input": []}, "input", "'input'"),
     ({"temperature": 3}, "temperature", "'temperature'"),

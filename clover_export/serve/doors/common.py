@@ -16,6 +16,10 @@ from clover_export.serve.protocol import ApiError, ChatRequest
 REASONING, TEXT, TOOL_START, TOOL_ARGS = "reasoning", "text", "tool_start", "tool_args"
 
 
+# a chat tool's field as the chat path names it (`tools[1].function.name`), for the doors' flat tools (`tools[1].name`)
+FUNCTION_FIELD = re.compile(r"(\btools\[\d+\])\.function\.")
+
+
 @dataclass(frozen=True)
 class Piece:
     """One piece of an answer: a reasoning or text delta, a tool call's start (`name`, `id`) or an arguments delta."""
@@ -81,6 +85,18 @@ def chat_submission(chat: dict[str, Any], default_thinking: bool,
     except ValidationError as e:  # a door built a body the chat path refuses: say where, in the chat's names
         raise ApiError(400, f"the request maps to an invalid chat request: {e.errors(include_url=False)[0]['msg']}")
     return adapter.chat_submission(req, default_thinking, tool_parser)
+
+
+def flat_tools_submission(chat: dict[str, Any], default_thinking: bool,
+                          tool_parser: type[tool_calls.StreamParser] | None) -> adapter.Submission:
+    """`chat_submission` for a door whose tools are flat (`{"name", ...}`, in the chat request's order): a
+    refusal names a tool's field as the door's body spells it (`tools[1].name`)."""
+    try:
+        return chat_submission(chat, default_thinking, tool_parser)
+    except ApiError as e:
+        flat = lambda text: FUNCTION_FIELD.sub(r"\1.", text)  # noqa: E731
+        raise ApiError(e.status, flat(e.message), param=e.param and flat(e.param), code=e.code,
+                       headers=e.headers) from None
 
 
 def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

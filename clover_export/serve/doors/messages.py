@@ -23,8 +23,8 @@ from clover_export.serve.doors.common import (
     Call,
     Outcome,
     Piece,
-    chat_submission,
     check_named_tool,
+    flat_tools_submission,
     function_tool,
     tool_call,
 )
@@ -167,7 +167,7 @@ def admit(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Cal
         chat["parallel_tool_calls"] = False
     if req.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
-    sub = chat_submission(chat, default_thinking, tool_parser)
+    sub = flat_tools_submission(chat, default_thinking, tool_parser)
     return Call(sub, req.model, renames={"stop": "stop_sequences"})
 
 

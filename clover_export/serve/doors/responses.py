@@ -23,8 +23,8 @@ from clover_export.serve.doors.common import (
     Call,
     Outcome,
     Piece,
-    chat_submission,
     check_named_tool,
+    flat_tools_submission,
     function_tool,
     tool_call,
 )
@@ -159,7 +159,7 @@ def admit(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Cal
             "parallel_tool_calls": req.parallel_tool_calls}
     if req.reasoning is not None and req.reasoning.effort is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": req.reasoning.effort != "none"}
-    sub = chat_submission(chat, default_thinking, tool_parser)
+    sub = flat_tools_submission(chat, default_thinking, tool_parser)
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls is not False,
