@@ -14,9 +14,13 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_serve import ThreadServer
 from test_serve_process import start_server, stop_server
+from test_serve_tools import SCRIPT, SORT, TOOLS, WEATHER, pieces, scripted_deliver
 
+from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.doors import common, messages
+from clover_export.serve.engine import Engine
 
 KEY = "sk-clover-doors-7c2d"
 MODEL = "clover-tiny"
@@ -149,7 +153,8 @@ def test_stop_sequences_and_max_tokens_stop_reasons(server, claude):
 
 
 def test_tool_history_and_tools_reach_the_chat_path(server, claude, oai):
-    """tool_use / tool_result blocks become the OpenAI chat messages written here by hand: the same prompt."""
+    """tool_use / tool_result blocks and the tools become the OpenAI chat request written here by hand: the same
+    prompt."""
     tools = [{"name": "sort", "description": "Sort numbers", "input_schema": {
         "type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}}}, "required": ["xs"]}}]
     history = [{"role": "user", "content": QUESTION},
@@ -164,8 +169,8 @@ def test_tool_history_and_tools_reach_the_chat_path(server, claude, oai):
                             "function": {"name": "sort", "arguments": '{"xs": [3, 1, 2]}'}}]},
                        {"role": "tool", "tool_call_id": "t1", "content": "1 2 3"},
                        {"role": "user", "content": "Thanks"}]
-    msg, _, use = chat(server, openai_messages, max_tokens=8)
-    for choice in ({"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "sort"}, {"type": "none"}):
+    msg, _, use = chat(server, openai_messages, max_tokens=8, tools=[as_chat_tool(tools[0])])
+    for choice in ({"type": "auto"}, {"type": "none"}):  # forcing a call opens the answer: see below
         out = claude.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, tools=tools, tool_choice=choice,
                                      messages=history)
         assert out.usage.input_tokens + out.usage.cache_read_input_tokens == use["prompt_tokens"]
@@ -174,6 +179,87 @@ def test_tool_history_and_tools_reach_the_chat_path(server, claude, oai):
         claude.messages.create(model=MODEL, max_tokens=8, tools=tools, tool_choice={"type": "tool", "name": "nope"},
                                messages=history)
     assert e.value.body["error"]["type"] == "invalid_request_error" and '"nope"' in e.value.body["error"]["message"]
+
+
+SORT_TOOL = {"name": "sort_digits", "description": "Sorts the digits of a number",
+             "input_schema": {"type": "object", "properties": {"digits": {"type": "string"}}, "required": ["digits"]}}
+REVERSE_TOOL = dict(SORT_TOOL, name="reverse_digits", description="Reverses the digits of a number")
+SORT_ASK = [{"role": "user", "content": "Sort the digits of 3142."}]
+
+
+def as_chat_tool(tool):
+    return {"type": "function", "function": {"name": tool["name"], "description": tool["description"],
+                                             "parameters": tool["input_schema"]}}
+
+
+def without_ids(message):
+    """A message's dump less what differs between two runs of one request: its id, its tool calls' ids (fresh
+    per request) and the prefix cache's split of the prompt (their sum stays)."""
+    body = message.model_dump()
+    body.pop("id")
+    for block in body["content"]:
+        block.pop("id", None)
+    use = body.pop("usage")
+    return body, use["input_tokens"] + use["cache_read_input_tokens"], use["output_tokens"]
+
+
+def tool_uses(message):
+    return [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+
+
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "sort_digits"}, {"type": "any"}])
+def test_a_forced_tool_answers_as_the_chat_path_streamed_or_not(server, claude, choice):
+    """tool_choice `tool` (`any`) on the embedded default (not trained to call tools) is the chat path's forced
+    call (named, "required"): the same prompt, the same calls as `tool_use` blocks (`input` the arguments'
+    object), the same text, the stop reason of its finish_reason (tool_calls -> tool_use, length -> max_tokens),
+    no thinking (a forced call opens the turn); messages.stream accumulates the same message. Named, the
+    answer opens with a `tool_use` block of that tool, whatever the weights write after its opening."""
+    args = dict(model=MODEL, max_tokens=24, extra_body=GREEDY, tools=[SORT_TOOL, REVERSE_TOOL], tool_choice=choice,
+                messages=SORT_ASK)
+    out = claude.messages.create(**args)
+    forced = {"type": "function", "function": {"name": "sort_digits"}} if choice["type"] == "tool" else "required"
+    msg, finish, usage = chat(server, SORT_ASK, max_tokens=24, tools=[as_chat_tool(SORT_TOOL),
+                                                                        as_chat_tool(REVERSE_TOOL)],
+                              tool_choice=forced)
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
+    assert tool_uses(out) == calls and texts(out) == (msg["content"] or "")
+    assert out.stop_reason == {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}[finish]
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == usage["prompt_tokens"]
+    assert not [b for b in out.content if b.type == "thinking"]
+    if choice["type"] == "tool":
+        use = out.content[0]
+        assert use.type == "tool_use" and use.name == "sort_digits" and isinstance(use.input, dict)
+        assert use.id.startswith("call_")
+    with claude.messages.stream(**args) as stream:
+        final = stream.get_final_message()
+    assert without_ids(final) == without_ids(out)
+
+
+def test_a_forced_tool_with_thinking_on_is_refused(server, claude):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=8, tools=[SORT_TOOL], messages=SORT_ASK,
+                               tool_choice={"type": "tool", "name": "sort_digits"},
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "'tool_choice'" in e.value.body["error"]["message"]
+
+
+def test_count_tokens_is_the_prompt_of_the_same_messages_request(server, claude, library):
+    """messages.count_tokens: the ChatML prompt written out by hand; with tools and a forced tool, the prompt
+    /v1/messages feeds the model for the same request (its usage); Anthropic's errors, the key as x-api-key."""
+    counted = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": "Hi"}],
+                                           thinking={"type": "disabled"})
+    assert counted.input_tokens == len(library.encode(f"{SYSTEM_HI}<|im_start|>assistant\n<think>\n\n</think>\n\n").ids)
+    args = dict(model=MODEL, tools=[SORT_TOOL, REVERSE_TOOL], tool_choice={"type": "tool", "name": "reverse_digits"},
+                messages=SORT_ASK)
+    out = claude.messages.create(max_tokens=2, **args)
+    assert claude.messages.count_tokens(**args).input_tokens == \
+        out.usage.input_tokens + out.usage.cache_read_input_tokens
+    r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": []}, {"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "'messages'" in r.json()["error"]["message"]
+    r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": SORT_ASK}, {"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
 HOSTILE_MESSAGES = {
@@ -191,6 +277,7 @@ HOSTILE_MESSAGES = {
     "bad-decoding": ({"decoding": "magic"}, "decoding"),
     "server-tool": ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]},
                     "tools[0].type"),
+    "two-tools-of-one-name": ({"tools": [SORT_TOOL, SORT_TOOL]}, "tools[1].name"),
     "over-the-context": ({"max_tokens": 10 ** 6}, None),
 }
 
@@ -262,12 +349,13 @@ def test_the_messages_writer_folds_pieces_into_blocks_the_sdk_reads():
 
 # --- /v1/responses: the openai client ------------------------------------------------------------------------------
 def test_responses_create_answers_as_chat_completions(server, oai, library):
+    msg, finish, use = chat(server, [{"role": "user", "content": QUESTION}])  # its prompt now in the prefix cache
     out = oai.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=40)
-    msg, finish, use = chat(server, [{"role": "user", "content": QUESTION}])
+    _, _, again = chat(server, [{"role": "user", "content": QUESTION}])  # as much read from the cache
     assert msg["content"] and out.output_text == msg["content"]
     assert out.status == {"stop": "completed", "length": "incomplete"}[finish]
     assert (out.usage.input_tokens, out.usage.output_tokens) == (use["prompt_tokens"], use["completion_tokens"])
-    assert out.usage.input_tokens_details.cached_tokens == use["prompt_tokens_details"]["cached_tokens"]
+    assert out.usage.input_tokens_details.cached_tokens == again["prompt_tokens_details"]["cached_tokens"] > 0
     assert out.model == MODEL and out.id.startswith("resp_")
     hand = SYSTEM_HI + "<|im_start|>assistant\n<think>\n"
     told = oai.responses.create(model=MODEL, instructions=SYSTEM, input="Hi", max_output_tokens=1)
@@ -300,10 +388,49 @@ def test_function_call_items_round_trip_as_chat_tool_messages(server, oai):
                            {"id": "c1", "type": "function",
                             "function": {"name": "sort", "arguments": '{"xs": [3, 1, 2]}'}}]},
                        {"role": "tool", "tool_call_id": "c1", "content": "1 2 3"}]
-    msg, _, use = chat(server, openai_messages, max_tokens=8)
+    chat_tools = [{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}]
+    msg, _, use = chat(server, openai_messages, max_tokens=8, tools=chat_tools)
     out = oai.responses.create(model=MODEL, input=items, tools=tools, tool_choice="auto", temperature=0,
                                max_output_tokens=8)
     assert out.usage.input_tokens == use["prompt_tokens"] and out.output_text == msg["content"]
+
+
+FUNCTIONS = [{"type": "function", "name": t["name"], "description": t["description"], "parameters": t["input_schema"]}
+             for t in (SORT_TOOL, REVERSE_TOOL)]
+
+
+def test_a_named_function_is_a_function_call_item_and_its_output_round_trips(server, oai):
+    """tool_choice naming a function: the output opens with a `function_call` item of it, streamed (the events'
+    deltas and the completed response) as not, with the chat path's arguments for the same forced request; the
+    call and its output sent back are the conversation /tokenize counts for the chat messages written by hand."""
+    args = dict(model=MODEL, input=SORT_ASK[0]["content"], tools=FUNCTIONS, temperature=0, max_output_tokens=24,
+                tool_choice={"type": "function", "name": "sort_digits"})
+    out = oai.responses.create(**args)
+    call = out.output[0]
+    assert (call.type, call.name, call.status) == ("function_call", "sort_digits", "completed")
+    assert isinstance(json.loads(call.arguments), dict) and call.call_id.startswith("call_")
+    msg, _, _ = chat(server, SORT_ASK, max_tokens=24, tools=[as_chat_tool(t) for t in (SORT_TOOL, REVERSE_TOOL)],
+                     tool_choice={"type": "function", "function": {"name": "sort_digits"}})
+    assert call.arguments == msg["tool_calls"][0]["function"]["arguments"]
+    events = list(oai.responses.create(**args, stream=True))
+    streamed = events[-1].response.output[0]
+    assert (streamed.type, streamed.name, streamed.arguments) == ("function_call", "sort_digits", call.arguments)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert deltas == done.arguments == call.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    sent_back = [{"role": "user", "content": SORT_ASK[0]["content"]},
+                 {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "1234"}]
+    answer = oai.responses.create(model=MODEL, input=sent_back, tools=FUNCTIONS, temperature=0, max_output_tokens=8)
+    assert answer.status in ("completed", "incomplete") and answer.output
+    called = {"name": call.name, "arguments": call.arguments}
+    by_hand = [SORT_ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": call.call_id, "type": "function", "function": called}]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "1234"}]
+    counted = post(server, "/tokenize", {"messages": by_hand, "tools": [as_chat_tool(t) for t in (SORT_TOOL,
+                                                                                                 REVERSE_TOOL)]})
+    assert answer.usage.input_tokens == counted.json()["count"]
 
 
 @pytest.mark.parametrize("change,param,says", [
@@ -313,6 +440,7 @@ def test_function_call_items_round_trip_as_chat_tool_messages(server, oai):
      "not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'tools[0].type'"),
     ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", '"nope"'),
+    ({"tools": FUNCTIONS[:1] * 2}, "tools[1].name", "'tools[1].name' repeats"),
     ({"max_output_tokens": 10 ** 6}, "input", "lower max_output_tokens"),
     ({"input": []}, "input", "'input'"),
     ({"temperature": 3}, "temperature", "'temperature'"),
@@ -322,6 +450,90 @@ def test_hostile_responses_bodies_are_openai_400s(server, change, param, says):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and says in r.json()["error"]["message"], r.json()
     assert post(server, "/v1/responses", {"input": "Hi", "max_output_tokens": 2}).json()["object"] == "response"
+
+
+# --- both doors on a scripted model (test_serve_tools: the engine answers Qwen3.6-format texts) ---------------------
+SCRIPTED_CALLS = [("get_weather", {"city": "New York", "days": 3}), ("sort_digits", {"digits": "0312"})]
+CUTS = [5, 22, 27, 49, 60, 95, 130, 150, 170]  # blocks cut inside the markers, a name, a value
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_dir):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "deliver", scripted_deliver(Engine.deliver))
+        with ThreadServer(build_app(ServeOptions(max_batch=2, request_timeout_s=120))) as srv:
+            srv.wait_healthy()
+            yield srv.url
+
+
+def ask_claude(url, text, stream, **kw):
+    """The scripted answer to `text` through /v1/messages (thinking off), whole or accumulated by the SDK."""
+    SCRIPT[:] = pieces(text, [c for c in CUTS if c < len(text)])
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    args = dict(model=MODEL, max_tokens=2, tools=tools, thinking={"type": "disabled"},
+                messages=[{"role": "user", "content": "Hi"}], **kw)
+    if not stream:
+        return client.messages.create(**args)
+    with client.messages.stream(**args) as s:
+        return s.get_final_message()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_tool_use_blocks_after_text_and_two_calls(scripted, stream):
+    out = ask_claude(scripted, WEATHER + SORT, stream)
+    assert [b.type for b in out.content] == ["text", "tool_use", "tool_use"]
+    assert texts(out) == "I will look it up." and tool_uses(out) == SCRIPTED_CALLS
+    assert out.stop_reason == "tool_use" and len({b.id for b in out.content[1:]}) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_disable_parallel_tool_use_keeps_the_first_call(scripted, stream):
+    out = ask_claude(scripted, WEATHER + SORT, stream, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert tool_uses(out) == SCRIPTED_CALLS[:1] and out.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_tool_choice_none_leaves_a_call_as_text(scripted, stream):
+    out = ask_claude(scripted, WEATHER, stream, tool_choice={"type": "none"})
+    assert texts(out) == WEATHER and not tool_uses(out) and out.stop_reason == "end_turn"
+
+
+def responses_output(events):
+    """The output items rebuilt from a Responses stream's item and delta events alone: (type, text or
+    (name, call_id, arguments)) per item."""
+    items: dict[int, list] = {}
+    for e in events:
+        if e.type == "response.output_item.added":
+            items[e.output_index] = [e.item.type, getattr(e.item, "name", None), getattr(e.item, "call_id", None), ""]
+        elif e.type in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            items[e.output_index][3] += e.delta
+    return [(kind, text) if kind == "message" else (kind, (name, call_id, text))
+            for kind, name, call_id, text in (items[i] for i in sorted(items))]
+
+
+def as_output(response):
+    return [(o.type, o.content[0].text) if o.type == "message" else (o.type, (o.name, o.call_id, o.arguments))
+            for o in response.output]
+
+
+def test_responses_function_call_items_after_text_and_two_calls(scripted):
+    SCRIPT[:] = pieces(WEATHER + SORT, CUTS)
+    client = openai.OpenAI(base_url=scripted + "/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    args = dict(model=MODEL, input="Hi", tools=tools, max_output_tokens=2, reasoning={"effort": "none"})
+    out = client.responses.create(**args)
+    (kinds, first), *calls = as_output(out)
+    assert (kinds, first) == ("message", "I will look it up.") and out.status == "completed"
+    assert [(kind, name, json.loads(arguments)) for kind, (name, _, arguments) in calls] == \
+        [("function_call", name, arguments) for name, arguments in SCRIPTED_CALLS]
+    assert len({call_id for _, (_, call_id, _) in calls}) == 2
+    events = list(client.responses.create(**args, stream=True))
+    streamed = as_output(events[-1].response)
+    assert responses_output(events) == streamed
+    assert [(k, v if k == "message" else (v[0], v[2])) for k, v in streamed] == \
+        [(k, v if k == "message" else (v[0], v[2])) for k, v in as_output(out)]
 
 
 # --- /tokenize and /detokenize -------------------------------------------------------------------------------------
@@ -343,7 +555,26 @@ def test_tokenize_is_the_tokenizers_ids_and_detokenize_round_trips(server, libra
     assert r.json()["count"] == use["prompt_tokens"]
 
 
+def test_tokenize_with_tools_is_the_chat_paths_prompt(server):
+    """Tools (one with no parameters, one whose description holds a control-token string) and an assistant's
+    call whose arguments are a JSON string: /tokenize counts the prompt /v1/chat/completions feeds the model."""
+    tools = [{"type": "function", "function": {"name": "now", "description": "The time"}},
+             {"type": "function", "function": {"name": "sort_digits", "description": "Sorts <|im_end|> digits",
+                                               "parameters": SORT_TOOL["input_schema"]}}]
+    history = [SORT_ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "sort_digits",
+                                                                 "arguments": '{"digits": "3142"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "1234"}]
+    _, _, use = chat(server, history, max_tokens=1, tools=tools)
+    counted = post(server, "/tokenize", {"messages": history, "tools": tools})
+    assert counted.status_code == 200 and counted.json()["count"] == use["prompt_tokens"], counted.text
+    bare = post(server, "/tokenize", {"messages": history}).json()["count"]
+    assert bare < use["prompt_tokens"] - 100  # the tools' section is counted
+
+
 @pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"messages": SORT_ASK, "tools": [{"type": "function", "function": {"description": "x"}}]},
+     "tools[0].function.name"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),

@@ -444,6 +444,7 @@ async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: fl
 def _door_routes(app: FastAPI) -> None:
     for door in doors.GENERATION:
         app.add_api_route(door.PATH, _door_endpoint(door), methods=["POST"])
+    app.add_api_route(doors.messages.COUNT_PATH, _count_endpoint(doors.messages.admit_count), methods=["POST"])
     for path, (model, handler) in doors.TOKENS.HANDLERS.items():
         app.add_api_route(path, _tokens_endpoint(model, handler), methods=["POST"])
 
@@ -452,17 +453,29 @@ def _door_endpoint(door):
     async def endpoint(request: Request):
         body = await _body_bytes(request)
         limiter = request.app.state.large_bodies if len(body) > LARGE_BODY_BYTES else None
-        call, kwargs = await anyio.to_thread.run_sync(_check_door, request, body, door, limiter=limiter)
+        call, kwargs = await anyio.to_thread.run_sync(_check_door, request, body, door.admit, limiter=limiter)
         return await _door(request, door, call, kwargs)
     return endpoint
 
 
-def _check_door(request: Request, body: bytes, door) -> tuple[Call, dict[str, Any]]:
-    """A door's request checked as `_check_request` checks OpenAI's: (its Call, the engine's submit kwargs)."""
+def _count_endpoint(admit):
+    """A door's token count: its request checked as for generation, the prompt's ids counted, nothing run."""
+    async def endpoint(request: Request):
+        body = await _body_bytes(request)
+        limiter = request.app.state.large_bodies if len(body) > LARGE_BODY_BYTES else None
+        _, kwargs = await anyio.to_thread.run_sync(_check_door, request, body, admit, limiter=limiter)
+        return {"input_tokens": len(kwargs["prompt_ids"])}
+    return endpoint
+
+
+def _check_door(request: Request, body: bytes, admit) -> tuple[Call, dict[str, Any]]:
+    """A door's request (`admit`: its door's) checked as `_check_request` checks OpenAI's: (its Call, the
+    engine's submit kwargs)."""
     gen = _ready_generator(request)
     data = protocol.parse_json(body, gen.max_context)
+    parser = tool_calls.parser_for(gen.tokenizer.template_source, request.app.state.options.tool_call_parser)
     try:
-        call = door.admit(data, gen.defaults.enable_thinking)
+        call = admit(data, gen.defaults.enable_thinking, parser)
     except ValidationError as e:
         raise protocol.validation_error(e, data) from None
     _check_model(request, call.model)
@@ -506,7 +519,7 @@ async def _door(request: Request, door, call: Call, kwargs: dict[str, Any]):
         first = await _next_event(job, request, deadline)
         if first.kind == "error":
             raise renamed(_failure(first.value, True), call.renames)
-        writer, pieces = door.Writer(call), Pieces(sub.thinking)
+        writer, pieces = door.Writer(call), Pieces(sub)
         if sub.stream:
             events = _door_events(request, job, (writer, pieces, call), first.value, deadline)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -4,15 +4,15 @@ Other front doors).
 A generation door is one module (`messages.py`: Anthropic Messages, `responses.py`: OpenAI Responses) with
 
 - `PATH`, and `error_body(err)`: the door's error shape for an `ApiError`;
-- `admit(data, default_thinking) -> Call`: the validated body as an OpenAI chat request (`common.chat_submission`),
-  so every door runs the chat path's checks, template and engine request; what the door answers with rides on the
-  Call;
+- `admit(data, default_thinking, tool_parser) -> Call`: the validated body as an OpenAI chat request
+  (`common.flat_tools_submission`), so every door runs the chat path's checks, template, tool calls and engine
+  request; what the door answers with rides on the Call;
 - `Writer(call)`: its answer built from a sequence of `Piece`s (`start`, `feed`, `finish` return the stream's
   events; `body` is the non-streamed answer), so streamed and whole answers are one fold over the same pieces;
   `error(err)`: the events of a failure after the stream began.
 
-`tokens.py` (/tokenize, /detokenize) answers from the tokenizer alone. The HTTP loop that runs a door's Call
-through the engine is app.py's `_door`.
+`tokens.py` (/tokenize, /detokenize) and `messages.admit_count` (/v1/messages/count_tokens) answer from the
+tokenizer alone. The HTTP loop that runs a door's Call through the engine is app.py's `_door`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ TOKENS = tokens
 
 def door_for(path: str):
     """The generation or token door module serving `path`, or None (OpenAI's own endpoints)."""
-    return {messages.PATH: messages, responses.PATH: responses, **{p: tokens for p in tokens.PATHS}}.get(path)
+    return {messages.PATH: messages, messages.COUNT_PATH: messages, responses.PATH: responses,
+            **{p: tokens for p in tokens.PATHS}}.get(path)
 
 
 def error_body(path: str, err: ApiError) -> dict[str, Any]:

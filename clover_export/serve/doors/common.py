@@ -9,11 +9,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from clover_export.serve import adapter
+from clover_export.serve import adapter, tool_calls
 from clover_export.serve.protocol import ApiError, ChatRequest
 
-# output pieces, in the order the model wrote them (tool-call events join when the chat path parses tool calls)
+# output pieces, in the order the model wrote them
 REASONING, TEXT, TOOL_START, TOOL_ARGS = "reasoning", "text", "tool_start", "tool_args"
+
+
+# a chat tool's field as the chat path names it (`tools[1].function.name`), for the doors' flat tools (`tools[1].name`)
+FUNCTION_FIELD = re.compile(r"(\btools\[\d+\])\.function\.")
 
 
 @dataclass(frozen=True)
@@ -27,28 +31,38 @@ class Piece:
 
 
 class Pieces:
-    """The pieces of a growing response: its text deltas split into reasoning and text (adapter.TextSplit)."""
+    """The pieces of a growing response, read as the chat path reads it (adapter.Reply: the reasoning split off,
+    the content through the request's tool-call parser, a forced call's opening first), so every door answers
+    with the calls /v1/chat/completions would return."""
 
-    def __init__(self, thinking: bool):
-        self.split = adapter.TextSplit(thinking)
+    def __init__(self, sub: adapter.Submission):
+        self.reply = adapter.Reply(sub)
 
     def push(self, delta: str, final: bool) -> list[Piece]:
-        reasoning, text = self.split.push(delta, final)
-        return [Piece(kind, t) for kind, t in ((REASONING, reasoning), (TEXT, text)) if t]
+        out = []
+        for reasoning, text, call in self.reply.push(delta, final):
+            out += [Piece(kind, t) for kind, t in ((REASONING, reasoning), (TEXT, text)) if t]
+            if call is not None:
+                out.append(_call_piece(call))
+        return out
+
+
+def _call_piece(delta: dict[str, Any]) -> Piece:
+    """An OpenAI streamed tool-call delta as a piece: the first (id and name) starts the call, the others
+    carry arguments."""
+    if "id" in delta:
+        return Piece(TOOL_START, name=delta["function"]["name"], id=delta["id"])
+    return Piece(TOOL_ARGS, delta["function"]["arguments"])
 
 
 @dataclass
 class Call:
-    """One door request mapped onto the chat path: its Submission, plus what the door echoes in its answer.
-
-    `tools` and `tool_choice` are the door's, converted and checked; the chat path does not take tools yet, so
-    they stay here (not in the Submission) until it renders them and parses tool calls into pieces."""
+    """One door request mapped onto the chat path: its Submission (tools included), plus what the door echoes
+    in its answer."""
 
     sub: adapter.Submission
     model: str
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the answer repeats (door-specific)
-    tools: list[dict[str, Any]] | None = None  # OpenAI-style function tools, for the chat template
-    tool_choice: str | dict[str, Any] | None = None  # OpenAI-style: "auto", "none", "required" or a named function
     renames: dict[str, str] = field(default_factory=dict)  # chat-path parameter name -> the door's name
 
 
@@ -61,14 +75,28 @@ class Outcome:
     reasoning_tokens: int = 0  # response tokens up to and including `</think>` (thinking on)
 
 
-def chat_submission(chat: dict[str, Any], default_thinking: bool) -> adapter.Submission:
-    """An OpenAI chat request body built by a door, through the chat path's own validation and mapping."""
+def chat_submission(chat: dict[str, Any], default_thinking: bool,
+                    tool_parser: type[tool_calls.StreamParser] | None = None) -> adapter.Submission:
+    """An OpenAI chat request body built by a door, through the chat path's own validation and mapping
+    (`tool_parser`: the model's tool-call format, tool_calls.parser_for)."""
     body = {k: v for k, v in chat.items() if v is not None}
     try:
         req = ChatRequest.model_validate(body)
     except ValidationError as e:  # a door built a body the chat path refuses: say where, in the chat's names
         raise ApiError(400, f"the request maps to an invalid chat request: {e.errors(include_url=False)[0]['msg']}")
-    return adapter.chat_submission(req, default_thinking)
+    return adapter.chat_submission(req, default_thinking, tool_parser)
+
+
+def flat_tools_submission(chat: dict[str, Any], default_thinking: bool,
+                          tool_parser: type[tool_calls.StreamParser] | None) -> adapter.Submission:
+    """`chat_submission` for a door whose tools are flat (`{"name", ...}`, in the chat request's order): a
+    refusal names a tool's field as the door's body spells it (`tools[1].name`)."""
+    try:
+        return chat_submission(chat, default_thinking, tool_parser)
+    except ApiError as e:
+        flat = lambda text: FUNCTION_FIELD.sub(r"\1.", text)  # noqa: E731
+        raise ApiError(e.status, flat(e.message), param=e.param and flat(e.param), code=e.code,
+                       headers=e.headers) from None
 
 
 def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 The request becomes an OpenAI chat request: `system` the system message, text blocks the content, `tool_use`
 blocks an assistant message's `tool_calls`, `tool_result` blocks `tool` messages, `thinking` blocks the
-assistant's `reasoning_content`; `tools` and `tool_choice` their OpenAI forms. The answer is built from the
+assistant's `reasoning_content`; `tools` and `tool_choice` their OpenAI forms (`any` is "required",
+`disable_parallel_tool_use` is `parallel_tool_calls: false`). The answer is built from the
 output pieces: reasoning a `thinking` block, text a `text` block, a tool call a `tool_use` block; streamed in
 Anthropic's event sequence (message_start, ping, content_block_start/_delta/_stop, message_delta, message_stop).
 """
@@ -22,14 +23,15 @@ from clover_export.serve.doors.common import (
     Call,
     Outcome,
     Piece,
-    chat_submission,
     check_named_tool,
+    flat_tools_submission,
     function_tool,
     tool_call,
 )
 from clover_export.serve.protocol import MAX_MESSAGES, MAX_STOP, STRICT, ApiError, ranged, refuse
 
 PATH = "/v1/messages"
+COUNT_PATH = "/v1/messages/count_tokens"
 X_API_KEY = True  # Anthropic's clients send the key as `x-api-key`
 MAX_TOOLS = 128
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
@@ -148,8 +150,9 @@ class MessagesRequest(BaseModel):
     decoding: ranged("decoding") = None  # Clover's decoding mode (docs/decoding.md)
 
 
-def admit(data: dict[str, Any], default_thinking: bool) -> Call:
-    """The validated body as the chat path's request (pydantic errors are the caller's: they name this body)."""
+def admit(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Call:
+    """The validated body as the chat path's request (pydantic errors are the caller's: they name this body);
+    `tool_parser`: the model's tool-call format (tool_calls.parser_for)."""
     req = MessagesRequest.model_validate(data)
     if req.output_config is not None and req.output_config.format is not None:
         raise refuse("output_config.format", "is not supported yet (structured output)")
@@ -158,12 +161,20 @@ def admit(data: dict[str, Any], default_thinking: bool) -> Call:
     tools = _tools(req.tools)
     chat = {"model": req.model, "messages": _system(req.system) + _chat_messages(req.messages),
             "max_tokens": req.max_tokens, "stop": req.stop_sequences, "stream": req.stream,
-            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "decoding": req.decoding}
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "decoding": req.decoding,
+            "tools": tools, "tool_choice": _tool_choice(req.tool_choice, tools)}
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        chat["parallel_tool_calls"] = False
     if req.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
-    sub = chat_submission(chat, default_thinking)
-    return Call(sub, req.model, tools=tools, tool_choice=_tool_choice(req.tool_choice, tools),
-                renames={"stop": "stop_sequences"})
+    sub = flat_tools_submission(chat, default_thinking, tool_parser)
+    return Call(sub, req.model, renames={"stop": "stop_sequences"})
+
+
+def admit_count(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Call:
+    """`POST /v1/messages/count_tokens`: the body of /v1/messages, `max_tokens` not needed (the prompt alone is
+    counted: the ids the same request to /v1/messages would feed the model)."""
+    return admit({"max_tokens": 1, **data} if isinstance(data, dict) else data, default_thinking, tool_parser)
 
 
 def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
@@ -232,9 +243,9 @@ def error_body(err: ApiError) -> dict[str, Any]:
 
 
 def stop_reason(outcome: Outcome, blocks: list[dict[str, Any]]) -> str:
-    if any(b["type"] == "tool_use" for b in blocks):
-        return "tool_use"
-    return STOP_REASONS.get(outcome.result.finish_reason, "end_turn")
+    """`tool_use` when the model called tools and was not cut by max_tokens (as the chat path's "tool_calls")."""
+    reason = STOP_REASONS.get(outcome.result.finish_reason, "end_turn")
+    return "tool_use" if reason != "max_tokens" and any(b["type"] == "tool_use" for b in blocks) else reason
 
 
 def usage(res, output: bool = True) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from clover_export.serve.doors.common import (
     Call,
     Outcome,
     Piece,
-    chat_submission,
     check_named_tool,
+    flat_tools_submission,
     function_tool,
     tool_call,
 )
@@ -144,8 +144,9 @@ class ResponsesRequest(BaseModel):
     decoding: ranged("decoding") = None  # Clover's decoding mode (docs/decoding.md)
 
 
-def admit(data: dict[str, Any], default_thinking: bool) -> Call:
-    """The validated body as the chat path's request (pydantic errors are the caller's: they name this body)."""
+def admit(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Call:
+    """The validated body as the chat path's request (pydantic errors are the caller's: they name this body);
+    `tool_parser`: the model's tool-call format (tool_calls.parser_for)."""
     req = ResponsesRequest.model_validate(data)
     _refuse_state(req)
     if req.text and req.text.format and req.text.format.type != "text":
@@ -153,18 +154,19 @@ def admit(data: dict[str, Any], default_thinking: bool) -> Call:
     tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or []] or None
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = {"model": req.model, "messages": system + _chat_messages(req.input), "max_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream, "decoding": req.decoding}
+            "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream, "decoding": req.decoding,
+            "tools": tools, "tool_choice": _tool_choice(req.tool_choice, tools),
+            "parallel_tool_calls": req.parallel_tool_calls}
     if req.reasoning is not None and req.reasoning.effort is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": req.reasoning.effort != "none"}
-    sub = chat_submission(chat, default_thinking)
+    sub = flat_tools_submission(chat, default_thinking, tool_parser)
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tools": [t.model_dump() for t in req.tools or []],
             "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction)
             else req.tool_choice or "auto"}
-    return Call(sub, req.model, echo=echo, tools=tools, tool_choice=_tool_choice(req.tool_choice, tools),
-                renames={"max_tokens": "max_output_tokens", "messages": "input"})
+    return Call(sub, req.model, echo=echo, renames={"max_tokens": "max_output_tokens", "messages": "input"})
 
 
 def _refuse_state(req: ResponsesRequest) -> None:

@@ -12,8 +12,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field
 
 from clover_export.core.errors import CloverError
-from clover_export.serve.doors.common import chat_submission, function_tool
-from clover_export.serve.protocol import STRICT, ApiError, ChatTemplateKwargs, Message, refuse
+from clover_export.serve.doors.common import chat_submission
+from clover_export.serve.protocol import MAX_TOOLS, STRICT, ApiError, ChatTemplateKwargs, Message, Tool, refuse
 
 PATHS = ("/tokenize", "/detokenize")
 
@@ -26,7 +26,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # prompt: true by default (as /v1/completions); messages: not taken
     add_generation_prompt: bool = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # OpenAI chat tools, as there
     return_token_strs: bool = False
 
 
@@ -55,27 +55,21 @@ def tokenize(req: TokenizeRequest, gen) -> dict[str, Any]:
 def _chat_ids(req: TokenizeRequest, gen) -> list[int]:
     if req.add_special_tokens:
         raise refuse("add_special_tokens", "is not taken with 'messages' (the chat template writes the special tokens)")
+    # the chat path's own checks and mapping (tools with tool_choice "none": shown to the template, no format
+    # needed), so the same messages and tools give the ids /v1/chat/completions feeds the model
     chat = {"messages": [m.model_dump(exclude_none=True) for m in req.messages],
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            "tool_choice": "none" if req.tools else None,
             "chat_template_kwargs": req.chat_template_kwargs.model_dump() if req.chat_template_kwargs else None}
     sub = chat_submission(chat, gen.defaults.enable_thinking)
-    extra: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
-    if req.tools:
-        extra["tools"] = [function_tool(**_function(t, i)) for i, t in enumerate(req.tools)]
+    tools = sub.tools.tools if sub.tools is not None else None
     try:
-        return gen.tokenizer.apply_chat_template(sub.messages, enable_thinking=sub.thinking, **extra)
+        return gen.tokenizer.apply_chat_template(sub.messages, enable_thinking=sub.thinking, tools=tools,
+                                                 add_generation_prompt=req.add_generation_prompt)
     except CloverError as e:
         raise refuse("messages", f"cannot be rendered by the chat template: {e.message}") from None
     except Exception as e:  # noqa: BLE001 - a template meeting values it did not expect (extra fields)
         raise refuse("messages", f"cannot be rendered by the chat template: {type(e).__name__}: {e}") from None
-
-
-def _function(tool: dict[str, Any], i: int) -> dict[str, Any]:
-    """An OpenAI chat tool's function fields, or a 400 naming it."""
-    function = tool.get("function")
-    if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise refuse(f"tools[{i}]", "must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}")
-    return {"name": function["name"], "description": function.get("description"),
-            "parameters": function.get("parameters")}
 
 
 def detokenize(req: DetokenizeRequest, gen) -> dict[str, Any]:
