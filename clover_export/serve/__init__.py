@@ -4,7 +4,7 @@ Layout (the API/engine split of vLLM's and SGLang's servers):
 - `protocol.py`: the OpenAI request schema and error bodies (pydantic).
 - `adapter.py`: the one place OpenAI parameters become `Generator.submit`
   arguments, and runtime results become OpenAI responses.
-- `engine.py`: one engine thread per process owning the `Generator`; HTTP
+- `engine.py`: one batch-loop thread per process owning the `Generator`; HTTP
   requests join its continuous batch.
 - `metrics.py`: Prometheus figures; `app.py`: the FastAPI app; `cli.py`:
   the `serve` command; `ray_app.py` (+ `ray_serve.yaml`): Ray Serve replicas.
