@@ -33,13 +33,13 @@ def causal_conv(m: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.
 
 def causal_conv_taps(m: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`causal_conv` as K multiply-adds over shifted rows: for a few rows, where the depthwise `conv1d` costs
-    more than the arithmetic (same taps; the sum's rounding may differ)."""
-    x = torch.cat([state.transpose(1, 2).to(m.dtype), m], dim=1)  # [B, K-1+T, C]
-    w, T = w.to(m.dtype), m.shape[1]
+    more than the arithmetic (same taps, summed in fp32 as conv1d accumulates; the rounding may differ)."""
+    x = torch.cat([state.transpose(1, 2).to(m.dtype), m], dim=1).float()  # [B, K-1+T, C]
+    w, T = w.float(), m.shape[1]
     out = x[:, :T] * w[:, 0]
     for j in range(1, w.shape[1]):
         out = out + x[:, j:j + T] * w[:, j]
-    return out
+    return out.to(m.dtype)
 
 
 def next_conv_state(m: torch.Tensor, state: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
