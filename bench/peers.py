@@ -21,7 +21,9 @@ Printed: tokens/s of each engine as a ratio to transformers at the same batch (r
 engines' order, A B ... B A, so load drift on a shared machine cancels), and whether each engine's tokens
 equal transformers' batch-1 greedy tokens; where they differ, the top-2 logit gap of transformers at the
 first differing position (a gap under `--small-gap` is a near-tie that fp32 rounding may flip).
-Everything in fp32 on the CPU, one thread per engine (`--threads`). No sampling controls: the
+Everything in fp32 on the CPU, one thread per engine (`--threads`). `--clock cpu` times our engines and
+transformers by this process's CPU time instead of wall time (a busy machine slows the engines unequally;
+llama.cpp and vLLM keep wall time). No sampling controls: the
 model's length penalty and think-end bias are set to 0 so that our greedy is plain argmax (the mask
 token is excluded, as transformers' `suppress_tokens` does).
 """
@@ -282,6 +284,7 @@ class Bench:
         from clover_export.train import tasks
 
         self.name, self.args, self.work = name, args, work
+        self.clock = time.process_time if args.clock == "cpu" else time.perf_counter
         self.src = checkpoint(name, work)
         self.hf_dir = hf_folder(self.src, work / f"{name}-hf")
         self.hf = load_hf(self.hf_dir)
@@ -310,11 +313,11 @@ class Bench:
             fn(self.prompts[:1])  # warm-up: first-call allocations, ORT session set-up
         for r in range(self.args.rounds):  # A B ... B A: a drift in the machine's load cancels
             for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
-                toks, forwards, t0 = [], 0, time.perf_counter()
+                toks, forwards, t0 = [], 0, self.clock()
                 for i in range(0, len(self.prompts), batch):
                     t, f = engines[name](self.prompts[i:i + batch])
                     toks, forwards = toks + t, forwards + f
-                runs[name].seconds += time.perf_counter() - t0
+                runs[name].seconds += self.clock() - t0
                 runs[name].tokens, runs[name].forwards = toks, forwards
         return runs
 
@@ -392,6 +395,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per batch size (alternating order)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of every engine")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time our engines and transformers by wall or by this process's CPU time")
     ap.add_argument("--small-gap", type=float, default=0.05, help="top-2 logit gap counted as a near-tie")
     ap.add_argument("--llama-python", default=sys.executable, help="Python with llama-cpp-python")
     ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp source tree (its convert_hf_to_gguf.py)")

@@ -478,7 +478,7 @@ def test_abandoned_non_streaming_request_is_cancelled(server):
 
 
 def test_a_request_failing_in_the_engine_fails_alone(server, client, reference, monkeypatch):
-    """A fault while serving one request (injected into its delivery on the engine thread) and a
+    """A fault while serving one request (injected into its delivery on the batch-loop thread) and a
     request the runtime refuses: both fail with an OpenAI error; the concurrent requests are unaffected."""
     eng = engine(server)
     real = type(eng).deliver

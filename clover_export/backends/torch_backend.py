@@ -9,6 +9,11 @@ in their in-place twins (STEP_GRAPH.md 1), given the slot ids the model passes:
   a gather of B x Hkv x read_len x hd for several;
 - GDN reads and rewrites the rows' conv and recurrent states (fixed size).
 Nothing per step grows with the pools' capacity (max_context).
+On the CPU the MoE core is `moe_core_gathered` (only the experts some row
+selected, each on its rows) in place of the dense reference `moe_core`. A
+step in which no row has a block (prefill chunks, commits, `ar`) runs the
+causal rows alone (STEP_GRAPH.md 1's N = 0 layout, `causal_only_step`).
+The export traces the model's own cores and whole step, and sees neither.
 """
 
 from __future__ import annotations
@@ -24,13 +29,43 @@ from clover_export.core.errors import CloverError
 from clover_export.model.attention import attention_core_in_place
 from clover_export.model.gdn import gdn_core_in_place
 from clover_export.model.loading import load_model, resolve_model_dir
-from clover_export.model.model import CloverModel, Cores, allocate_pools
+from clover_export.model.model import CloverModel, Cores, StepResult, allocate_pools, with_logit_rows
+from clover_export.model.moe import moe_core, moe_core_gathered
 
 
-def in_place_cores(base: Cores, read_len: int) -> Cores:
-    """The model's cores with attention and GDN updating the slot pools in place (MoE as given);
-    attention reads the first `read_len` positions of each row's slot."""
-    return Cores(gdn=gdn_core_in_place, attention=partial(attention_core_in_place, read_len=read_len), moe=base.moe)
+def in_place_cores(base: Cores, read_len: int, device: torch.device) -> Cores:
+    """The model's cores with attention and GDN updating the slot pools in place, attention reading the first
+    `read_len` positions of each row's slot; the MoE as given, but gathered for the dense reference on the CPU."""
+    moe = moe_core_gathered if base.moe is moe_core and device.type == "cpu" else base.moe
+    return Cores(gdn=gdn_core_in_place, attention=partial(attention_core_in_place, read_len=read_len), moe=moe)
+
+
+def causal_only_step(model: CloverModel, inputs, pools) -> StepResult:
+    """`model.step` for a step whose rows have no block: the decoder stack over the C causal rows alone.
+
+    Causal rows never see block rows (MODEL.md 4), so their hidden states, pools and `causal_logits` are
+    the whole step's; `coreset_size` is 0 as the graph's (has_block 0). The block rows' logits are read by
+    nobody but, with `logits_shift`, row 0 (the last valid causal row's, which the runtime keeps for the
+    slot's next step: runner._first_from_last_row); that row is computed, the others are zero."""
+    ids, N = inputs[names.INPUT_IDS], model.block_size
+    B, C = ids.shape[0], ids.shape[1] - N
+    order = names.pool_names(model.cfg)
+    model.block_size = 0
+    try:
+        h, _, new_pools = model.trunk(ids[:, :C], *(inputs[n] for n in names.STEP_SCALARS[1:]),
+                                      *(pools[n] for n in order))
+    finally:
+        model.block_size = N
+    rows = [with_logit_rows(inputs)[names.LOGIT_ROWS].long().clamp(0, C - 1)]
+    if model.cfg.logits_shift:
+        rows.insert(0, (inputs[names.N_CAUSAL].long() - 1).clamp(min=0).unsqueeze(1))
+    picked = torch.cat(rows, 1)
+    out = model.logits(torch.gather(h, 1, picked.unsqueeze(-1).expand(-1, -1, h.shape[-1])))
+    logits = out.new_zeros(B, N, out.shape[-1])
+    shift = len(rows) - 1
+    logits[:, :shift] = out[:, :shift]
+    coreset = torch.zeros(B, model.cfg.num_hidden_layers, dtype=torch.int32, device=ids.device)
+    return StepResult(logits, coreset, dict(zip(order, new_pools)), out[:, shift:])
 
 
 def default_device() -> str:
@@ -97,10 +132,11 @@ class TorchBackend:
         if not self.in_place:
             return self.model.step(inputs, pools)
         read_len = int((inputs[names.PAST_LEN].long() + inputs[names.N_CAUSAL].long()).max())
+        causal_only = not bool(inputs[names.HAS_BLOCK].any())  # a host read, as read_len's
         saved = self.model.cores
-        self.model.cores = in_place_cores(saved, read_len)
+        self.model.cores = in_place_cores(saved, read_len, self.device)
         try:
-            return self.model.step(inputs, pools)
+            return causal_only_step(self.model, inputs, pools) if causal_only else self.model.step(inputs, pools)
         finally:
             self.model.cores = saved
 

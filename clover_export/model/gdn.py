@@ -17,6 +17,7 @@ from clover_export.core import assumed
 from clover_export.model.functional import l2_normalize, row_mask
 
 CHUNK = 64  # rows per chunk of the chunked delta rule
+FEW_ROWS = 4  # eager steps of at most this many causal rows run the delta rule row by row, the conv as taps
 
 
 def causal_conv(m: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,17 @@ def causal_conv(m: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.
         return m
     x = torch.cat([state.transpose(1, 2).to(m.dtype), m], dim=1).transpose(1, 2)
     return F.conv1d(x, w.to(m.dtype).unsqueeze(1), groups=w.shape[0]).transpose(1, 2)
+
+
+def causal_conv_taps(m: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`causal_conv` as K multiply-adds over shifted rows: for a few rows, where the depthwise `conv1d` costs
+    more than the arithmetic (same taps, summed in fp32 as conv1d accumulates; the rounding may differ)."""
+    x = torch.cat([state.transpose(1, 2).to(m.dtype), m], dim=1).float()  # [B, K-1+T, C]
+    w, T = w.float(), m.shape[1]
+    out = x[:, :T] * w[:, 0]
+    for j in range(1, w.shape[1]):
+        out = out + x[:, j:j + T] * w[:, j]
+    return out.to(m.dtype)
 
 
 def next_conv_state(m: torch.Tensor, state: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
@@ -85,9 +97,27 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = CHUNK):
     return o.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2), S
 
 
+def delta_rule_recurrent(q, k, v, beta, g, state):
+    """`delta_rule_chunked` row by row (its per-row definition, as upstream's recurrent decode step): cheaper
+    for a step of a few rows. Same arguments and results but `chunk`."""
+    outs, S = [], state
+    for t in range(k.shape[1]):
+        S = S * g[:, t].exp()[..., None, None]
+        k_t = k[:, t].unsqueeze(-1)  # [B, H, dk, 1]
+        u = (v[:, t] - (S * k_t).sum(-2)) * beta[:, t].unsqueeze(-1)  # beta (v - S^T k)
+        S = S + k_t * u.unsqueeze(-2)
+        outs.append((S * q[:, t].unsqueeze(-1)).sum(-2))  # S^T q
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o, S
+
+
 def gdn_rows(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate, conv0, s0, n_causal,
-             num_k_heads: int, head_k_dim: int, head_v_dim: int, block_size: int):
+             num_k_heads: int, head_k_dim: int, head_v_dim: int, block_size: int, eager: bool = False):
     """The GDN core for the rows' own states conv0 [B, C_conv, K-1], s0 [B, Hv, dk, dv].
+
+    eager (`gdn_core_in_place`, never traced): the step's causal row count picks the computation, the same
+    up to rounding: row by row with the conv as taps for at most FEW_ROWS rows, else a delta-rule chunk of
+    at most the causal rows (not CHUNK rows of padding).
 
     Returns (o [B, T, Hv, dv] model dtype, conv state [B, C_conv, K-1], recurrent state [B, Hv, dk, dv] fp32)
     after the causal rows.
@@ -108,11 +138,15 @@ def gdn_rows(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale,
     # causal rows: upstream GDN from the slot's state; padding rows (beta = g = 0) change nothing
     m_c = mixed_qkv[:, :Tc]
     valid = row_mask(n_causal, Tc).unsqueeze(-1)
-    x_c = F.silu(causal_conv(m_c, conv0, conv_w))
+    few = eager and Tc <= FEW_ROWS
+    x_c = F.silu((causal_conv_taps if few else causal_conv)(m_c, conv0, conv_w))
     q, k, v = qkv(x_c, scale_q=True)
     zero = torch.zeros((), device=g.device)
-    o_c, s1 = delta_rule_chunked(q, k, v, torch.where(valid, beta[:, :Tc].float(), zero),
-                                 torch.where(valid, g[:, :Tc], zero), s0)
+    beta_c, g_c = torch.where(valid, beta[:, :Tc].float(), zero), torch.where(valid, g[:, :Tc], zero)
+    if few:
+        o_c, s1 = delta_rule_recurrent(q, k, v, beta_c, g_c, s0)
+    else:
+        o_c, s1 = delta_rule_chunked(q, k, v, beta_c, g_c, s0, min(CHUNK, Tc) if eager and Tc else CHUNK)
     conv1 = next_conv_state(m_c, conv0, n_causal)
 
     # block rows: [assumed] bidirectional block mixer (MODEL.md 5.2), fp32, from the state after the causal rows
@@ -161,11 +195,13 @@ def gdn_core_in_place(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, blo
                       rec_pool, slot_ids, n_causal, num_k_heads: int, head_k_dim: int, head_v_dim: int,
                       block_size: int):
     """`gdn_core` updating the pools in place: reads and rewrites only the rows' slots' states
-    (B x (C_conv x (K-1) + Hv x dk x dv) elements, nothing that grows with the context)."""
+    (B x (C_conv x (K-1) + Hv x dk x dv) elements, nothing that grows with the context). The runtime's,
+    never traced: `gdn_rows`' eager computation (a decode step of one row is one recurrent update, not a
+    chunk of 64 rows of padding)."""
     slot_ids = slot_ids.long()
     o, conv1, s1 = gdn_rows(mixed_qkv, a, b, conv_w, conv_w_right, A_log, dt_bias, block_scale, block_gate,
                             conv_pool.index_select(0, slot_ids), rec_pool.index_select(0, slot_ids), n_causal,
-                            num_k_heads, head_k_dim, head_v_dim, block_size)
+                            num_k_heads, head_k_dim, head_v_dim, block_size, eager=True)
     conv_pool.index_copy_(0, slot_ids, conv1.to(conv_pool.dtype))
     rec_pool.index_copy_(0, slot_ids, s1.to(rec_pool.dtype))
     return o, conv_pool, rec_pool

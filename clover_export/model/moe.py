@@ -4,6 +4,12 @@
 `moe_core_fp8` that of `clover::CoresetMoEFP8` (STEP_GRAPH.md 4).
 Causal rows route with plain top-k; block rows (per batch row) route within
 the block's expert coreset when it is enabled. The shared expert stays outside.
+
+`moe_core_gathered` is `moe_core` run eagerly: each selected expert on the
+rows routed to it only (what the torch backend runs on the CPU; never traced:
+its loop depends on the routing). Each row sums the same expert terms in the
+same expert order; `moe_core` adds exact zeros for the others, so the two
+differ only by the GEMMs' rounding over fewer rows (tests/test_moe_gathered.py).
 """
 
 from __future__ import annotations
@@ -30,6 +36,22 @@ def route(probs: torch.Tensor, allowed: torch.Tensor, top_k: int) -> tuple[torch
     return dense, chosen
 
 
+def routing(x: torch.Tensor, router_w: torch.Tensor, top_k: int, top_p: float, coreset: bool, block_size: int):
+    """(weights [B, T, E] in x's dtype, zero off the chosen experts; chosen [B, T, E] bool; distinct experts of
+    each row's block [B] int32): the router, then top-k, block rows within their block's coreset."""
+    B, T, _ = x.shape
+    Tc = T - block_size
+    E = router_w.shape[0]
+    probs = torch.softmax(F.linear(x, router_w).float(), dim=-1)  # [B, T, E]
+    allowed = torch.ones_like(probs, dtype=torch.bool)
+    if coreset and block_size > 0:
+        keep = assumed.coreset_mask(probs[:, Tc:], top_k, top_p)  # [B, E]
+        allowed = torch.cat([allowed[:, :Tc], keep.unsqueeze(1).expand(B, block_size, E)], dim=1)
+    weights, chosen = route(probs, allowed, top_k)
+    distinct = chosen[:, Tc:].any(dim=1).sum(-1).to(torch.int32)
+    return weights.to(x.dtype), chosen, distinct
+
+
 def moe_core(
     x: torch.Tensor,  # [B, T, D] normalised hidden states, model dtype
     router_w: torch.Tensor,  # [E, D]
@@ -41,22 +63,30 @@ def moe_core(
     block_size: int,
 ):
     """Returns (routed output [B, T, D], distinct experts of each row's block [B] int32)."""
-    B, T, D = x.shape
-    Tc = T - block_size
-    E = router_w.shape[0]
-    probs = torch.softmax(F.linear(x, router_w).float(), dim=-1)  # [B, T, E]
-    allowed = torch.ones_like(probs, dtype=torch.bool)
-    if coreset and block_size > 0:
-        keep = assumed.coreset_mask(probs[:, Tc:], top_k, top_p)  # [B, E]
-        allowed = torch.cat([allowed[:, :Tc], keep.unsqueeze(1).expand(B, block_size, E)], dim=1)
-    weights, chosen = route(probs, allowed, top_k)
-    weights = weights.to(x.dtype)
+    weights, _, distinct = routing(x, router_w, top_k, top_p, coreset, block_size)
     out = torch.zeros_like(x)
-    for e in range(E):  # dense over experts: no data-dependent control flow
+    for e in range(router_w.shape[0]):  # dense over experts: no data-dependent control flow
         gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
         out = out + F.linear(F.silu(gate) * up, down[e]) * weights[..., e:e + 1]
-    distinct = chosen[:, Tc:].any(dim=1).sum(-1).to(torch.int32)
     return out, distinct
+
+
+def moe_core_gathered(x, router_w, gate_up, down, top_k: int, top_p: float, coreset: bool, block_size: int):
+    """`moe_core` computing only the experts some row selected, each on its own rows (module docstring)."""
+    B, T, D = x.shape
+    E = router_w.shape[0]
+    weights, chosen, distinct = routing(x, router_w, top_k, top_p, coreset, block_size)
+    experts, rows = chosen.reshape(-1, E).t().nonzero().unbind(1)  # the (expert, row) pairs, by expert then row
+    counts = torch.bincount(experts, minlength=E).tolist()  # the step's one host read
+    ys = []
+    for e, xs in zip(range(E), x.reshape(-1, D).index_select(0, rows).split(counts)):
+        if xs.shape[0]:
+            gate, up = F.linear(xs, gate_up[e]).chunk(2, dim=-1)
+            ys.append(F.linear(F.silu(gate) * up, down[e]))
+    terms = torch.cat(ys) * weights.reshape(-1, E)[rows, experts].unsqueeze(-1)
+    # index_add_ adds the pairs in order: each row's terms in increasing expert order, as moe_core's sum
+    out = torch.zeros(B * T, D, dtype=x.dtype, device=x.device).index_add_(0, rows, terms)
+    return out.reshape(B, T, D), distinct
 
 
 def moe_core_fp8(

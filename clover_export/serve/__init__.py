@@ -4,7 +4,7 @@ Layout (the API/engine split of vLLM's and SGLang's servers):
 - `protocol.py`: the OpenAI request schema and error bodies (pydantic).
 - `adapter.py`: the one place OpenAI parameters become `Generator.submit`
   arguments, and runtime results become OpenAI responses.
-- `engine.py`: one engine thread per process owning the `Generator`; HTTP
+- `engine.py`: one batch-loop thread per process owning the `Generator`; HTTP
   requests join its continuous batch.
 - `doors/`: the other front doors (Anthropic Messages, OpenAI Responses,
   /tokenize and /detokenize), one module each, mapped onto the chat path.

@@ -1,7 +1,7 @@
 """OpenAI schema <-> runtime: the server's only knowledge of generation (SERVING.md 1, 2, 5).
 
 `chat_submission` / `completion_submission` turn a validated request into
-runtime parameters and a prompt; `prepare` (run off the engine thread, before
+runtime parameters and a prompt; `prepare` (run off the batch-loop thread, before
 the request is handed over) renders the chat template, checks the prompt's
 size cheaply, tokenises and checks the context, so the engine receives token
 ids that cannot fail to admit. `api_error` turns the runtime's CloverError
@@ -218,7 +218,7 @@ def chars_per_token(tokenizer) -> int:
 def prepare(gen, sub: Submission) -> dict[str, Any]:
     """The engine's `Generator.submit` keyword arguments for `sub`: {"prompt_ids": [...], **parameters}.
 
-    Runs off the engine thread (the tokenizer releases the GIL). Everything the
+    Runs off the batch-loop thread (the tokenizer releases the GIL). Everything the
     request brings is checked here, so admitting it cannot fail: parameters
     against the model's defaults and the engine (block_size), the rendered
     prompt's length against the context before tokenising it, then the token

@@ -1,16 +1,19 @@
-"""One engine thread per process: it owns the Generator and steps it while there is work (SERVING.md 3, 5).
+"""One batch-loop thread per process: it owns the Generator and steps it while there is work (SERVING.md 3, 5).
 
 HTTP handlers never touch the Generator: they hand a `Job` to the engine
 and read its events from an asyncio queue. Submissions, cancellations and
-steps all happen on the engine thread, between steps, so every request
+steps all happen on the batch-loop thread, between steps, so every request
 joins the same continuous batch, a cancelled request leaves it at the next
-step, and no lock spans a generation.
+step, and no lock spans a generation. The events of one pass (the admissions,
+or a step's blocks and results for every stream) reach each event loop in one
+wakeup: a wakeup per stream and block would take the GIL from the next step
+each time.
 
 The engine never dies of a request. Anything a request raises while it is
 admitted, stepped or delivered fails that request alone (logged once, one
 line; the traceback at debug level); a step that fails without naming its
 rows (the runtime isolates the rows it can, loop.py) fails the rows holding
-a slot. Only a fault no request can be blamed for stops the engine thread:
+a slot. Only a fault no request can be blamed for stops the batch-loop thread:
 it then ends every request with a 503, `died` says why, `/health` turns 503
 and `stopped` is set, so the server process exits non-zero (cli/serve.py).
 """
@@ -47,23 +50,33 @@ class Job:
         self.aloop = aloop
         self.name = name or f"job-{next(_job_names)}"  # the request id in log lines
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.handle = None  # the runtime Stream, set on the engine thread
+        self.handle = None  # the runtime Stream, set on the batch-loop thread
         self.submitted = time.perf_counter()
         self.first_block: float | None = None
         self.released = False  # its final event ("done" or "error") is posted
         self.watcher: asyncio.Task | None = None  # the HTTP side's disconnect watch
 
     def post(self, kind: str, value: Any = None) -> None:
-        """Thread-safe: queue an event for the HTTP side."""
-        try:
-            self.aloop.call_soon_threadsafe(self.events.put_nowait, Event(kind, value))
-        except RuntimeError:  # the event loop is gone (shutdown)
-            pass
+        """Thread-safe: queue an event for the HTTP side now (the engine batches its own: `Engine._flush`)."""
+        post_events(self.aloop, [(self, Event(kind, value))])
 
     def holds_row(self) -> bool:
         """Admitted and holding a slot of the batch (its rows are in the next step)."""
         req = self.handle.request if self.handle is not None else None
         return req is not None and req.slot is not None and not req.finished
+
+
+def post_events(aloop: asyncio.AbstractEventLoop, events: list[tuple[Job, Event]]) -> None:
+    """Thread-safe: put each (job, event) on its job's queue, in order, in one callback of `aloop`."""
+    try:
+        aloop.call_soon_threadsafe(_put_events, events)
+    except RuntimeError:  # the event loop is gone (shutdown)
+        pass
+
+
+def _put_events(events: list[tuple[Job, Event]]) -> None:
+    for job, event in events:
+        job.events.put_nowait(event)
 
 
 class Full(Exception):
@@ -94,19 +107,20 @@ def short(e: BaseException) -> str:
 class Engine:
     """Owns the Generator on one thread; `submit`/`cancel`/`drain`/`abort` are safe from any thread."""
 
-    load: Callable[[], Any]  # () -> Generator, called on the engine thread
+    load: Callable[[], Any]  # () -> Generator, called on the batch-loop thread
     max_pending: int  # running rows + queued requests admitted at once
     metrics: Any = None
     gen: Any = None
     ready: bool = False  # loaded and one step ran
     draining: bool = False  # stopped admitting (shutdown)
     load_error: str | None = None
-    died: str | None = None  # why the engine thread stopped while serving
-    stopped: threading.Event = field(default_factory=threading.Event)  # the engine thread has ended
+    died: str | None = None  # why the batch-loop thread stopped while serving
+    stopped: threading.Event = field(default_factory=threading.Event)  # the batch-loop thread has ended
     _inbox: list[Job] = field(default_factory=list)
     _cancels: list[Job] = field(default_factory=list)
     _jobs: dict[int, Job] = field(default_factory=dict)
     _live: set[Job] = field(default_factory=set)  # submitted, not cancelled, final event not yet posted
+    _outbox: list[tuple[Job, Event]] = field(default_factory=list)  # this pass's events, for `_flush`
     _stop: bool = False
     _abort: Exception | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
@@ -114,11 +128,11 @@ class Engine:
 
     # --- any thread ---------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="batch-loop", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End every request (503) and the engine thread."""
+        """End every request (503) and the batch-loop thread."""
         with self._cond:
             self._stop = True
             self._cond.notify()
@@ -193,7 +207,7 @@ class Engine:
             time.sleep(0.05)
         return self.ready
 
-    # --- engine thread ------------------------------------------------------------
+    # --- batch-loop thread --------------------------------------------------------
     def _run(self) -> None:
         try:
             if self._load():
@@ -237,10 +251,12 @@ class Engine:
             if abort is not None or stop:
                 for job in list(self._jobs.values()):
                     self._drop(job, abort or shutting_down())
+            self._flush()  # before the step: an admitted stream's headers go out while it runs
             if stop:
                 return
             if self.gen.loop.has_work():
                 self._step()
+                self._flush()
 
     def _admit(self, job: Job) -> None:
         try:
@@ -252,7 +268,7 @@ class Engine:
             self._fail(job, "while being admitted", e)
             return
         self._jobs[job.handle.request_id] = job
-        job.post("accepted", job.handle.request.prompt_len)
+        self._post(job, "accepted", job.handle.request.prompt_len)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -301,7 +317,7 @@ class Engine:
             chunk = h.chunks.popleft()
             if job.first_block is None:
                 job.first_block = time.perf_counter()
-            job.post("block", chunk)
+            self._post(job, "block", chunk)
         if h.done and h.result.finish_reason == "error":  # the runtime failed this row alone (loop.py)
             log.error("request %s failed in the runtime: %s", job.name, h.result.error)
             self._release(job, "error", RuntimeError(h.result.error or "the request failed"))
@@ -336,10 +352,23 @@ class Engine:
         with self._cond:
             self._live.discard(job)
         job.released = True
-        job.post(kind, value)
+        self._post(job, kind, value)
+
+    def _post(self, job: Job, kind: str, value: Any = None) -> None:
+        """Queue an event for the job's HTTP side; `_flush` hands them over."""
+        self._outbox.append((job, Event(kind, value)))
+
+    def _flush(self) -> None:
+        """Hand this pass's events over: one call_soon_threadsafe per event loop, each job's in order."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.aloop, []).append((job, event))
+        self._outbox = []
+        for aloop, events in by_loop.items():
+            post_events(aloop, events)
 
     def _die(self, e: BaseException) -> None:
-        """The engine thread stops: every request ends with a 503 now; /health and the process say so."""
+        """The batch-loop thread stops: every request ends with a 503 now; /health and the process say so."""
         with self._cond:
             self.died = short(e)
             jobs = list(self._live)  # admitted, queued, or taken from the inbox and not yet admitted
@@ -349,6 +378,7 @@ class Engine:
         log.critical("the engine stopped (%s); ending %d request(s); the server exits", self.died, len(jobs),
                      exc_info=e)
         error = Full(f"the engine stopped ({self.died}); retry later", "engine_stopped")
+        self._flush()  # what this pass delivered comes before the 503
         for job in jobs:
             job.released = True
             job.post("error", error)
