@@ -109,7 +109,7 @@ class Runner:
         columns = device.run(self.device_step(plan, inputs, logits, causal_logits))
         if columns is None:  # prefill or commit rows only: nothing to select or read
             return [RowOutput() for _ in plan.requests]
-        columns["coreset"] = coreset.sum(1, keepdim=True)
+        columns["coreset"] = coreset.to(torch.int32).sum(1, keepdim=True)
         return self.outputs(plan, step_io.read_back(columns))
 
     def prepare(self, plan: StepPlan) -> dict[str, torch.Tensor]:
