@@ -98,3 +98,63 @@ def command(a, b, c, d, e, f, g, h, i): ...
 '''
     found = sorted(s.split(" (")[0] for s in long_signatures(src, "m"))
     assert found == ["m:10 static", "m:12 lambda", "m:4 nine", "m:6 keywords"], found
+
+
+MAX_RUNTIME_LINES = 40  # the runtime reads as small steps (docs/runtime.md): a longer function is two
+
+
+def long_functions(source: str, where: str, limit: int) -> list[str]:
+    """'where:line name (n lines)' for every function in `source` over `limit` lines (def line to last line)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > limit:
+                found.append(f"{where}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def test_no_runtime_function_is_over_forty_lines():
+    found = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        found += long_functions(path.read_text(), path.relative_to(ROOT).as_posix(), MAX_RUNTIME_LINES)
+    assert not found, "runtime functions over MAX_RUNTIME_LINES lines:\n  " + "\n  ".join(found)
+
+
+def test_the_line_rule_counts_a_function_from_its_def_to_its_last_line():
+    body = "\n".join(f"    x{i} = {i}" for i in range(40))
+    assert long_functions(f"def f():\n{body}\n", "m.py", MAX_RUNTIME_LINES) == ["m.py:1 f (41 lines)"]
+    assert long_functions(f"def f():\n{body[:-len('    x39 = 39') - 1]}\n", "m.py", MAX_RUNTIME_LINES) == []
+
+
+MODE_NAMES = {"low_confidence", "ar", "self_spec"}  # the decoding modes, written out (not read from the registry)
+
+
+def mode_branches(source: str, where: str) -> list[str]:
+    """'where:line' of every comparison with a mode's name (==, !=, in, not in) in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            values = [e.value for s in sides for e in ([s] + list(getattr(s, "elts", [])))
+                      if isinstance(e, ast.Constant)]
+            if MODE_NAMES & {v for v in values if isinstance(v, str)}:
+                found.append(f"{where}:{node.lineno}")
+    return found
+
+
+def test_only_the_decoding_strategies_branch_on_a_mode():
+    """A mode's behaviour lives in its strategy (runtime/decoding/); elsewhere the code asks the strategy.
+    (train/ names its two losses "block" and "ar": not a decoding mode.)"""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(("runtime/decoding/", "train/")):
+            found += mode_branches(path.read_text(), rel)
+    assert not found, "comparisons with a decoding mode's name outside runtime/decoding/:\n  " + "\n  ".join(found)
+
+
+def test_the_mode_check_sees_a_branch():
+    assert mode_branches('if req.decoding == "self_spec":\n    pass\n', "m.py") == ["m.py:1"]
+    assert mode_branches('x = d in ("ar", "self_spec")\n', "m.py") == ["m.py:1"]
+    assert mode_branches('x = d == "block"\n', "m.py") == []

@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clover_export.runtime import Generator
-from clover_export.runtime.runner import Runner
 
 PROMPTS = ["sort: 5 3 9 1 7 2", "reverse: a b c d e f g", "hello", "sort: 9 8 7 1 1 4 4 2"]
 CONTROLS = dict(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.5)
@@ -92,7 +91,7 @@ def test_ar_equals_a_cache_free_loop_over_transformers(qwen_clover_dir):
     ([3, 3, 3], [3, 2, 3, 3], 1, [3, 2]),  # later matches after a mismatch do not count
 ])
 def test_accept_greedy_keeps_the_longest_matching_prefix_then_the_ar_token(draft, ar_tokens, accepted, emitted):
-    from clover_export.runtime.speculative import accept_greedy
+    from clover_export.runtime.decoding.ar import accept_greedy
 
     m, bonus = accept_greedy(draft, ar_tokens)
     assert (m, draft[:m] + [bonus]) == (accepted, emitted)
@@ -158,31 +157,31 @@ class OracleDrafts:
     """Replaces self_spec's drafts by the `ar` continuation, corrupted at chosen positions: any draft must
     give `ar`'s output. Each verification must accept exactly the draft's longest prefix equal to `ar`'s
     continuation (a correct draft: all of it); `checks` holds (drafted, expected, accepted) of the
-    verifications whose drafted positions all lie within `ar`'s answer."""
+    verifications whose drafted positions all lie within `ar`'s answer. It is the loop's `on_step` observer:
+    it sees each step's typed outputs before the scheduler reads them, and rewrites their next drafts."""
 
-    def __init__(self, truth: dict[tuple, list[int]], length: int, corrupt: float, rng: random.Random):
-        self.truth, self.length, self.corrupt, self.rng = truth, length, corrupt, rng
-        self.real_run = Runner.run
+    def __init__(self, truth: dict[tuple, list[int]], length: int, corrupt: float, rng: random.Random, vocab: int):
+        self.truth, self.length, self.corrupt, self.rng, self.vocab = truth, length, corrupt, rng, vocab
         self.checks: list[tuple[int, int, int]] = []
 
     def expected_acceptance(self, plan) -> list[tuple[int, int] | None]:
         out = []
-        for req in plan.requests:
+        for req, row in zip(plan.requests, plan.rows):
             truth, at = self.truth[tuple(req.prompt_ids)], len(req.response)
-            within = req.decoding == "self_spec" and req.draft and at + len(req.draft) <= len(truth)
-            out.append((len(req.draft), common_length(req.draft, truth[at:])) if within else None)
+            within = req.decoding == "self_spec" and row.draft and at + len(row.draft) <= len(truth)
+            out.append((len(row.draft), common_length(row.draft, truth[at:])) if within else None)
         return out
 
-    def __call__(self, runner, plan):
+    def __call__(self, plan, outputs):
         from clover_export.runtime.request import Phase
 
         # a lossless step's causal rows (pending tokens + draft) never exceed block_size (docs/decoding.md)
         for req, n in zip(plan.requests, plan.n_causal):
-            assert req.phase is Phase.PREFILL or n <= plan.block_size, (req.pending, req.draft)
-        expected = self.expected_acceptance(plan)
-        blocks, coreset, verdicts = self.real_run(runner, plan)
-        self.checks += [(*e, v.accepted) for e, v in zip(expected, verdicts) if e is not None]
-        for req, v in zip(plan.requests, verdicts):
+            assert req.phase is Phase.PREFILL or n <= plan.block_size, req.state
+        self.checks += [(*e, out.verdict.accepted) for e, out in zip(self.expected_acceptance(plan), outputs)
+                        if e is not None]
+        for req, out in zip(plan.requests, outputs):
+            v = out.verdict
             if v is None or req.decoding != "self_spec":
                 continue
             truth = self.truth[tuple(req.prompt_ids)] + [0] * 64
@@ -190,41 +189,43 @@ class OracleDrafts:
             draft = list(truth[start:start + self.length])
             for i in range(len(draft)):
                 if self.rng.random() < self.corrupt:
-                    draft[i] = (draft[i] + 1 + self.rng.randrange(50)) % runner.backend.cfg.vocab_size
+                    draft[i] = (draft[i] + 1 + self.rng.randrange(50)) % self.vocab
             v.draft = draft
-        return blocks, coreset, verdicts
 
 
-def with_oracle_drafts(gen, ar, monkeypatch, length, corrupt=0.0, seed=0, enable_thinking=False, **params):
+def with_oracle_drafts(gen, ar, length, corrupt=0.0, seed=0, enable_thinking=False, **params):
     """self_spec (three rows) beside ar (one row), every draft replaced by OracleDrafts: (results, requests,
     oracle)."""
     prompts = [gen.prompt_ids(p, enable_thinking=enable_thinking) for p in PROMPTS]
-    oracle = OracleDrafts({tuple(ids): t for ids, t in zip(prompts, ar)}, length, corrupt, random.Random(seed))
+    oracle = OracleDrafts({tuple(ids): t for ids, t in zip(prompts, ar)}, length, corrupt, random.Random(seed),
+                          gen.cfg.vocab_size)
     reqs = []
-    with monkeypatch.context() as m:
-        m.setattr(Runner, "run", lambda runner, plan: oracle(runner, plan))
+    gen.loop.on_step = oracle
+    try:
         spec = run_modes(gen, ["self_spec", "ar", "self_spec", "self_spec"], reqs, enable_thinking, **params)
+    finally:
+        gen.loop.on_step = None
     return spec, reqs, oracle
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), length=st.integers(0, 31), corrupt=st.sampled_from([0.0, 0.05, 0.3, 1.0]))
-def test_self_spec_equals_ar_for_any_draft(random_gen, random_ar, monkeypatch, seed, length, corrupt):
+def test_self_spec_equals_ar_for_any_draft(random_gen, random_ar, seed, length, corrupt):
     params = dict(max_new_tokens=40, **CONTROLS)
     ar = random_ar(**params)
-    spec, _, oracle = with_oracle_drafts(random_gen, ar, monkeypatch, length, corrupt, seed, **params)
+    spec, _, oracle = with_oracle_drafts(random_gen, ar, length, corrupt, seed, **params)
     assert token_ids(spec) == ar
     assert all(want == got for _, want, got in oracle.checks), oracle.checks
     if corrupt == 0.0:
         assert all(drafted == got for drafted, _, got in oracle.checks), oracle.checks
 
 
-def test_correct_drafts_are_accepted_whole(random_gen, random_ar, monkeypatch):
+def test_correct_drafts_are_accepted_whole(random_gen, random_ar):
     """Drafts of 7 tokens equal to ar's continuation: every drafted token is accepted, so after the first
     token (the last prompt chunk's forward) each forward appends 8 tokens."""
     params, L = dict(max_new_tokens=40, **CONTROLS), 7
     ar = random_ar(**params)
-    spec, reqs, oracle = with_oracle_drafts(random_gen, ar, monkeypatch, L, **params)
+    spec, reqs, oracle = with_oracle_drafts(random_gen, ar, L, **params)
     assert token_ids(spec) == ar
     assert oracle.checks and all(drafted == want == got for drafted, want, got in oracle.checks), oracle.checks
     for r, req in zip(spec, reqs):
@@ -247,7 +248,7 @@ POSITIONAL = {
 
 
 @pytest.mark.parametrize("case", list(POSITIONAL))
-def test_position_dependent_controls_apply_at_each_draft_row(random_gen, random_ar, monkeypatch, case):
+def test_position_dependent_controls_apply_at_each_draft_row(random_gen, random_ar, case):
     """Accepted drafts carry the positions where min_tokens lifts and `</think>` is pushed: self_spec equals
     ar token for token only if each draft row's controls use its own response index and the draft's
     `</think>` closes thinking for the rows after it."""
@@ -260,7 +261,7 @@ def test_position_dependent_controls_apply_at_each_draft_row(random_gen, random_
             assert len(t) == MIN_TOKENS + 1 and t[-1] in ends and not ends & set(t[:-1]), t
         else:
             assert t.index(think_end) == THINK_AT and len(t) > THINK_AT + 8, t
-    spec, reqs, oracle = with_oracle_drafts(random_gen, ar, monkeypatch, 7, **params)
+    spec, reqs, oracle = with_oracle_drafts(random_gen, ar, 7, **params)
     assert token_ids(spec) == ar
     assert oracle.checks and all(drafted == want == got for drafted, want, got in oracle.checks), oracle.checks
 
@@ -327,8 +328,8 @@ def accept_every_draft_token(p, q, draft, generator):
 def bonus_drawn_from_q(p, q, draft, generator):
     """The mutation the bonus check must catch: after a fully accepted draft, the bonus drawn from the last
     draft position's q instead of p."""
+    from clover_export.runtime.decoding.speculative import accept_sampled
     from clover_export.runtime.selector import draw
-    from clover_export.runtime.speculative import accept_sampled
 
     m, bonus = accept_sampled(p, q, draft, generator)
     if draft.shape[0] and int(m) == draft.shape[0]:
@@ -342,7 +343,7 @@ def test_speculative_sampling_rule_gives_the_target_distribution():
     seeded draws against the hand-set target, the third over the ~4,000 fully accepted drafts:
     sum min(P, Q) = 0.4 and 0.5 a row; P's rows do not depend on the tokens before, which a target may do).
     The fit rejects Q itself, the mutation that accepts every draft token, and a bonus drawn from q."""
-    from clover_export.runtime.speculative import accept_sampled
+    from clover_export.runtime.decoding.speculative import accept_sampled
 
     first, second, third = emitted_counts(accept_sampled)
     assert _chi2_fits(first, P[0].tolist()) > 1e-3
@@ -380,28 +381,28 @@ def block_q_by_hand(logits: torch.Tensor, seen: list[int], mask_id: int) -> torc
 def test_a_sampled_draft_is_verified_against_the_distribution_it_was_drawn_from(tiny_dir, monkeypatch):
     """The q handed to the acceptance rule is the block distribution of the step that drew the draft (rows
     1..len(draft)), recomputed here from that step's raw block logits (the runner's observer) with the
-    controls and sampling transforms written out, and the draft's tokens are the ones drawn there."""
-    import clover_export.runtime.runner as runner_module
+    controls and sampling transforms written out, and the draft's tokens are the ones drawn there (the
+    step's typed outputs, seen by the loop's `on_step`)."""
+    from clover_export.runtime.decoding import speculative
     from clover_export.train import tasks
 
     gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=8)
-    by_hand, kept, checked = {}, {}, []
-    real_drafts, real_accept, real_verify = Runner._self_spec_drafts, runner_module.accept_sampled, Runner._verify
+    by_hand, kept, checked, current = {}, {}, [], []
+    real_accept = speculative.accept_sampled
 
     def observe(plan, logits):  # the step's raw block logits, before any control
-        for r, req in enumerate(plan.requests):
-            if req.decoding == "self_spec" and plan.has_block[r]:
-                by_hand[req.request_id] = block_q_by_hand(logits[r], req.response + req.draft, gen.mask_id)
+        current[:] = [req for req, row in zip(plan.requests, plan.rows) if row.logit_rows and req.params.do_sample]
+        for req, row, l in zip(plan.requests, plan.rows, logits):
+            if req.decoding == "self_spec" and row.block is not None:
+                by_hand[req.request_id] = block_q_by_hand(l, req.response + req.state.draft, gen.mask_id)
 
-    def drafts(runner, plan, rows, logits, params, tok, conf):
-        out = real_drafts(runner, plan, rows, logits, params, tok, conf)
-        for r in rows:  # after this step's verification: what the next step verifies
-            req = plan.requests[r]
-            kept[req.request_id] = (by_hand[req.request_id][1:], tok[r, 1:].tolist())
-        return out
+    def drafted(plan, outputs):  # after this step's verification: what the next step verifies
+        for req, row, out in zip(plan.requests, plan.rows, outputs):
+            if req.decoding == "self_spec" and row.block is not None:
+                kept[req.request_id] = (by_hand[req.request_id][1:], out.tokens[1:])
 
     def accept(p, q, draft, generator):
-        req = current.pop(0)  # _verify calls it for its sampling rows in row order
+        req = current.pop(0)  # called for the sampling verifying rows in row order
         if len(draft):
             q_then, tokens_then = kept[req.request_id]
             D = len(draft)
@@ -409,16 +410,8 @@ def test_a_sampled_draft_is_verified_against_the_distribution_it_was_drawn_from(
                             draft.tolist() == tokens_then[:D]))
         return real_accept(p, q, draft, generator)
 
-    current = []
-
-    def verify(runner, plan, rows, causal_logits, controls, params):
-        current[:] = [plan.requests[r] for r in rows if plan.requests[r].params.do_sample]
-        return real_verify(runner, plan, rows, causal_logits, controls, params)
-
-    gen.runner.observer = observe
-    monkeypatch.setattr(Runner, "_self_spec_drafts", drafts)
-    monkeypatch.setattr(Runner, "_verify", verify)
-    monkeypatch.setattr(runner_module, "accept_sampled", accept)
+    gen.runner.observer, gen.loop.on_step = observe, drafted
+    monkeypatch.setattr(speculative, "accept_sampled", accept)
     gen.wait([gen.submit(ex.prompt, decoding="self_spec", do_sample=True, seed=i, max_new_tokens=32,
                          enable_thinking=False, draft_threshold=0.0, **SPEC_SAMPLING)
               for i, ex in enumerate(tasks.heldout_examples(8))])  # short answers: about one draft each
@@ -449,13 +442,13 @@ def test_self_spec_sampling_is_distributed_as_ar_sampling(tiny_dir, monkeypatch)
     """On the embedded default, 600 seeded runs a mode at temperature 1 with every block position drafted
     (a prompt outside its tasks, where the block's q and the causal p differ): tokens 2-3 under self_spec
     follow ar's distribution (chi-square); accepting every draft token instead is detected."""
-    import clover_export.runtime.runner as runner_module
+    from clover_export.runtime.decoding import speculative
 
     gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=16)
     params = dict(temperature=1.0, draft_threshold=0.0)
     ar = sampled_continuations(gen, "ar", 600, **params)
     spec = sampled_continuations(gen, "self_spec", 600, **params)
-    monkeypatch.setattr(runner_module, "accept_sampled", accept_every_draft_token)
+    monkeypatch.setattr(speculative, "accept_sampled", accept_every_draft_token)
     mutated = sampled_continuations(gen, "self_spec", 600, **params)
     assert _same_distribution(ar, spec) > 1e-3, (ar.most_common(4), spec.most_common(4))
     assert _same_distribution(ar, mutated) < 1e-4, (ar.most_common(4), mutated.most_common(4))

@@ -67,7 +67,7 @@ class Reference:
 
 
 def snapshot_bytes(gen) -> int:
-    return gen.runner.save_state(0)[1]
+    return gen.runner.states.save(0)[1]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ class FakeDevice:
     def __init__(self, nbytes=100):
         self.nbytes, self.saved = nbytes, []
 
-    def save_state(self, slot):
+    def save(self, slot):
         self.saved.append(slot)
         return object(), self.nbytes
 
@@ -302,14 +302,14 @@ def test_snapshot_memory_never_exceeds_the_budget(backend):
     budget = 5 * snapshot_bytes(gen)
     gen = make(backend, max_slots=3, prefill_chunk=8, prefix_cache=budget / 2**30)
     alive: list = []  # every saved state, weakly: what the process still holds
-    save = gen.runner.save_state
+    save = gen.runner.states.save
 
     def tracked(slot):
         saved, nbytes = save(slot)
-        alive.append((weakref.ref(next(iter(saved.values()))), nbytes))
+        alive.append((weakref.ref(next(iter(saved.tensors.values()))), nbytes))
         return saved, nbytes
 
-    gen.runner.save_state = tracked
+    gen.runner.states.save = tracked
     rng = random.Random(0)
     handles, peak = [], 0
     for i in range(24):

@@ -5,11 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from clover_export.runtime.decoding.base import RowOutput
 from clover_export.runtime.request import Phase, Request
 from clover_export.runtime.scheduler import PAD_ID, Scheduler
 
 M = 99  # mask id
 N = 4
+
+
+def outputs(blocks, coreset):
+    """What a runner's step would hand back: each row's block tokens and mean coreset size."""
+    return [RowOutput(block=b, coreset=c) for b, c in zip(blocks, coreset)]
 
 
 def req(prompt, max_new=8, ends=(1,), alignment="prompt_end"):
@@ -33,18 +39,18 @@ def test_prefill_chunks_fold_into_first_block_and_rows_are_left_aligned():
     assert p.causal_rows == 3 and p.width == 7
     assert p.input_ids == [10, 11, 12, M, M, M, M, 20, 21, PAD_ID, M, M, M, M]
     assert (p.n_causal, p.has_block, p.slot_ids, p.past_len) == ([3, 2], [0, 1], [0, 1], [0, 0])
-    s.update(p, [[M] * 4, [7, M, M, M]], [0.0, 3.0])
+    s.update(p, outputs([[M] * 4, [7, M, M, M]], [0.0, 3.0]))
     assert a.phase is Phase.PREFILL and b.phase is Phase.DENOISE and b.past_len == 2
     p = s.schedule()
     assert p.causal_rows == 2
     assert p.input_ids == [13, 14, M, M, M, M, PAD_ID, PAD_ID, 7, M, M, M]
     assert (p.n_causal, p.has_block, p.past_len) == ([2, 0], [1, 1], [3, 2])
-    done = s.update(p, [[M, M, 5, M], [7, 8, 9, 6]], [2.0, 3.0])
+    done = s.update(p, outputs([[M, M, 5, M], [7, 8, 9, 6]], [2.0, 3.0]))
     assert done == [b] and b.response == [7, 8, 9, 6]
     p = s.schedule()  # b's commit folded into its next block's first denoise step
     assert p.input_ids == [PAD_ID] * 4 + [M, M, 5, M] + [7, 8, 9, 6] + [M] * 4
     assert (p.causal_rows, p.n_causal, p.past_len, p.response_base) == (4, [0, 4], [5, 2], [0, 4])
-    s.update(p, [[M, M, 5, M], [M] * 4], [0.0, 0.0])
+    s.update(p, outputs([[M, M, 5, M], [M] * 4], [0.0, 0.0]))
     assert b.past_len == 6 and b.pending_commit == []
     assert b.denoise_steps == 3 and b.coreset_sum == 6.0
 
@@ -56,13 +62,13 @@ def test_commit_without_folding_is_its_own_step():
     s.admit()
     p = s.schedule()
     assert (p.n_causal, p.has_block) == ([2], [0])  # prefill alone
-    s.update(p, [[M] * 4], [0.0])
+    s.update(p, outputs([[M] * 4], [0.0]))
     p = s.schedule()
     assert (p.causal_rows, p.has_block) == (0, [1])
-    s.update(p, [[3, 4, 5, 6]], [1.0])
+    s.update(p, outputs([[3, 4, 5, 6]], [1.0]))
     p = s.schedule()
     assert p.input_ids == [3, 4, 5, 6, M, M, M, M] and (p.n_causal, p.has_block) == ([4], [0])
-    s.update(p, [[M] * 4], [0.0])
+    s.update(p, outputs([[M] * 4], [0.0]))
     assert r.unfolded_commits == 1 and r.past_len == 6 and r.phase is Phase.DENOISE
 
 
@@ -74,7 +80,7 @@ def test_absolute_alignment_puts_the_prompt_tail_in_the_first_block():
     p = s.schedule()
     assert p.input_ids == [10, 11, 12, 13, 14, 15, M, M]
     assert (p.n_causal, p.past_len, p.response_base) == ([4], [0], [-2])
-    s.update(p, [[14, 15, 7, 8]], [0.0])
+    s.update(p, outputs([[14, 15, 7, 8]], [0.0]))
     assert r.response == [7, 8]  # the tail is prompt, not response
     p = s.schedule()
     assert p.input_ids == [14, 15, 7, 8, M, M, M, M] and p.past_len == [4] and p.response_base == [2]
@@ -127,7 +133,7 @@ def test_fixed_engine_profiles_pad_cap_and_rotate():
     s.admit()
     p = s.schedule()
     assert p.causal_rows == 8 and p.n_causal == [8]  # alone: the prefill profile, chunk capped at 8
-    s.update(p, [[M] * 4], [0.0])
+    s.update(p, outputs([[M] * 4], [0.0]))
     b, c = req([1, 2]), req([3, 4])
     s.add(b)
     s.add(c)
@@ -137,6 +143,6 @@ def test_fixed_engine_profiles_pad_cap_and_rotate():
         p = s.schedule()
         assert p.batch == 2 and p.causal_rows == N  # at most 2 rows; C padded/capped to the decode profile
         seen.append([r.request_id for r in p.requests])
-        s.update(p, [r.block or [M] * 4 for r in p.requests], [0.0] * 2)
+        s.update(p, outputs([r.block or [M] * 4 for r in p.requests], [0.0] * 2))
     assert {i for ids in seen for i in ids} == {a.request_id, b.request_id, c.request_id}  # everyone gets a turn
     assert a.prefill_pos == 8 + 4 * sum(a.request_id in ids for ids in seen)

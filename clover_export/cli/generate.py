@@ -10,6 +10,7 @@ import click
 
 from clover_export.core import generation
 from clover_export.core.errors import CloverError
+from clover_export.runtime import decoding as modes
 
 
 def _backend_for(model: str | None, backend: str | None, device: str | None = None) -> str:
@@ -42,7 +43,7 @@ def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen
                    "kernels with CUDA graphs; CPU only under TRITON_INTERPRET=1). "
                    "Default: ort for an artifact folder (it has manifest.json), triton on a CUDA GPU without "
                    "TensorRT, torch otherwise.")
-@click.option("--decoding", type=click.Choice(generation.DECODING_MODES), default=None,
+@click.option("--decoding", type=click.Choice(modes.MODES), default=None,
               help="How tokens are chosen (default: the model's generation_config.json, else "
                    f"{generation.GenerationSettings.decoding}). low_confidence: block diffusion, the fastest; "
                    "its text differs from ar's. ar: greedy (or sampled) autoregressive decoding of the causal "

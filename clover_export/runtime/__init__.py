@@ -1,10 +1,12 @@
 """Block-diffusion runtime: LowConfidence decoding over one backend contract (DECODING.md).
 
 Layout (nano-vllm's split):
-- `request.py`, `scheduler.py`: plain Python (no torch/numpy): per-request
-  state, slots, and each step's row layout (STEP_GRAPH.md 1).
-- `runner.py`: the device side: cache pools, per-slot counts/parameters/
-  generators, selection (`selector.py`, `controls.py`) where the logits are.
+- `request.py`, `scheduler.py`, `prefix_cache.py`: plain Python (no torch/numpy):
+  per-request state, slots, each step's `StepPlan` (STEP_GRAPH.md 1), the prefix cache's books.
+- `decoding/`: one `Strategy` per decoding mode (plain Python; `decoding/device.py` runs their
+  device work where the logits are, with `selector.py`, `controls.py`).
+- `runner.py`: the device side: per-slot parameters/generators, one step
+  (`step_io.py`: the one upload and read-back); `state_mover.py`: every copy of the cache pools.
 - `backends/`: `torch` (reference model), `ort` (exported artifact),
   `trt` (TensorRT engine), one `step` contract.
 - `loop.py`: joins scheduler and runner; `generator.py`: the Python API;

@@ -51,6 +51,19 @@ def ramp(n: torch.Tensor, start: torch.Tensor, window: torch.Tensor) -> torch.Te
     return ((n - start[:, None]) / window[:, None]).clamp(0.0, 1.0)
 
 
+def count_penalties_(l: torch.Tensor, seen_ids: torch.Tensor, seen_counts: torch.Tensor, p: RowParams) -> None:
+    """Repetition, frequency and presence penalties of the seen tokens, on their gathered [B, N, K] columns."""
+    B, N = l.shape[:2]
+    idx = seen_ids[:, None, :].expand(B, N, -1)
+    v = l.gather(2, idx)  # [B, N, K]
+    c = seen_counts if seen_counts.dim() == 3 else seen_counts[:, None, :]
+    rep = p.repetition_penalty[:, None, None]
+    pen = torch.where(v > 0, v / rep, v * rep)
+    pen = pen - p.frequency_penalty[:, None, None] * c
+    pen = pen - p.presence_penalty[:, None, None]
+    l.scatter_(2, idx, torch.where(c > 0, pen, v))
+
+
 def apply_controls_(
     l: torch.Tensor,  # [B, N, V] fp32, mask token already -inf; modified in place
     seen_ids: torch.Tensor,  # [B, K] int64: tokens with count > 0 in the response so far, padded
@@ -73,15 +86,7 @@ def apply_controls_(
     """
     B, N = n.shape
     if seen_ids.shape[1] > 0:
-        idx = seen_ids[:, None, :].expand(B, N, -1)
-        v = l.gather(2, idx)  # [B, N, K]
-        c = seen_counts if seen_counts.dim() == 3 else seen_counts[:, None, :]
-        seen = c > 0
-        rep = p.repetition_penalty[:, None, None]
-        pen = torch.where(v > 0, v / rep, v * rep)
-        pen = pen - p.frequency_penalty[:, None, None] * c
-        pen = pen - p.presence_penalty[:, None, None]
-        l.scatter_(2, idx, torch.where(seen, pen, v))
+        count_penalties_(l, seen_ids, seen_counts, p)
     length = p.dllm_length_penalty[:, None] * ramp(n, p.dllm_length_penalty_start, p.dllm_length_penalty_window)
     valid = (end_ids >= 0).to(l.dtype)[:, None, :]  # [B, 1, E]
     l.scatter_add_(2, end_ids.clamp(min=0)[:, None, :].expand(B, N, -1), length[:, :, None] * valid)

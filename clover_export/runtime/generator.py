@@ -42,6 +42,7 @@ from clover_export.core.errors import CloverError
 from clover_export.core.generation import GenerationSettings, load_generation_settings
 from clover_export.core.step_shape import PREFILL_CHUNK
 from clover_export.model.tokenizer import ChatTokenizer
+from clover_export.runtime import decoding
 from clover_export.runtime.loop import BlockEvent, Loop
 from clover_export.runtime.output import Result, StreamChunk, TextTracker
 from clover_export.runtime.prefix_cache import DEFAULT_BUDGET_GB, PrefixCache
@@ -73,7 +74,7 @@ def prefix_cache_for(option: bool | float, runner: Runner, block_size: int, turn
     gb = DEFAULT_BUDGET_GB if option is True else option
     if isinstance(gb, bool) or not isinstance(gb, numbers.Real) or not gb >= 0:
         raise CloverError("runtime", f"prefix_cache must be True, False or a budget in GiB >= 0, got {option!r}")
-    return PrefixCache(runner, int(gb * 2**30), block_size, turn_end_id=turn_end_id)
+    return PrefixCache(runner.states, int(gb * 2**30), block_size, turn_end_id=turn_end_id)
 
 
 class Stream:
@@ -177,7 +178,7 @@ class Generator:
         self.tokenizer = ChatTokenizer(source_dir)
         self.defaults = load_generation_settings(source_dir, eos_fallback=cfg.eos_token_id)
         try:
-            self.defaults.validate(cfg.vocab_size)
+            decoding.strategy(self.defaults.validate(cfg.vocab_size).decoding)
         except CloverError as e:
             raise CloverError("generation_config", f"{Path(source_dir) / 'generation_config.json'}: {e}") from None
         im_end = self.tokenizer.im_end_id
@@ -218,7 +219,9 @@ class Generator:
             raise CloverError("generate",
                               f"parameter 'block_size' is {block_size!r}, the engine's is {self.block_size}",
                               "block_size is fixed when the model or engine is loaded")
-        return self.defaults.override(**params).validate(self.cfg.vocab_size)
+        settings = self.defaults.override(**params).validate(self.cfg.vocab_size)
+        decoding.strategy(settings.decoding)  # a registered mode
+        return settings
 
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
                    prompt_ids: list[int] | None = None, raw: bool = False, enable_thinking: bool = True) -> list[int]:
@@ -249,7 +252,8 @@ class Generator:
         """Queue one request (checked up front, no compute yet); returns its handle."""
         settings = self.settings(**params)
         ids = self.prompt_ids(prompt, messages, prompt_ids, raw, settings.enable_thinking)
-        alignment = self.cfg.block_alignment if settings.decoding == "low_confidence" else "prompt_end"
+        strategy = decoding.strategy(settings.decoding)
+        alignment = strategy.alignment(self.cfg.block_alignment)
         need = context_needed(len(ids), settings.max_new_tokens, self.block_size, alignment)
         if need > self.max_context:
             raise CloverError(
@@ -259,7 +263,7 @@ class Generator:
                 "shorten the prompt or lower max_new_tokens")
         end_ids = frozenset() if settings.ignore_eos else frozenset(settings.eos_token_id) | self.extra_end_ids
         req = Request(ids, settings.max_new_tokens, end_ids, self.block_size, self.mask_id,
-                      self.cfg.block_alignment, params=settings, decoding=settings.decoding)
+                      alignment, params=settings, strategy=strategy)
         hidden = frozenset(settings.eos_token_id) | self.extra_end_ids if settings.ignore_eos else frozenset()
         handle = Stream(self, req, TextTracker(self.tokenizer.decode, end_ids, settings.stop, hidden))
         self.loop.add(req)

@@ -8,9 +8,9 @@ their slots are freed, and the loop goes on.
 - At admission, `Runner.claim` checks the request's host-side state (a
   request built past `Generator.submit`'s checks); it fails that request alone.
 - In a step (the backend, or selection on its logits), the exception cannot
-  name its rows. The loop undoes the step (`Runner.snapshot`/`restore`: the
-  GDN states of the causal rows' slots and the sampling rows' generators; the
-  scheduler has not moved on), then re-runs each row alone, undoing each try,
+  name its rows. The loop undoes the step (`Runner.hold` before it, then
+  `StateMover.undo`: the GDN states of the causal rows' slots and the sampling
+  rows' generators; the scheduler has not moved on), then re-runs each row alone, undoing each try,
   and fails the rows that raise alone. The others are stepped again by the
   next `step()`, so their tokens are those of a run without the failing rows.
   When no row fails alone (e.g. out of memory at this batch size), every row
@@ -20,7 +20,10 @@ their slots are freed, and the loop goes on.
   LowConfidence step fills at least one masked position (DECODING.md 2 step
   6), so such a block never resolves (e.g. non-finite logits or sampling
   parameters choosing the mask token); the cap keeps it from holding a slot.
-Cost: the snapshot copies the causal rows' GDN states before every step with
+After a step, the rows whose strategy rejected part of a draft (`Strategy.undoes`) get their slots' GDN
+states back (`StateMover.undo_rows`, DECODING.md 5). `on_step(plan, outputs)`, when set, sees every
+step's plan and typed outputs before the scheduler reads them (tests, debugging).
+Cost: the held copy takes the causal rows' GDN states before every step with
 causal rows (the fixed per-sequence cache bytes, `cache_bytes_per_token_and_fixed`),
 and a failed step of B rows costs B single-row retries. A backend left broken
 (e.g. a lost CUDA context) fails every later step too.
@@ -29,10 +32,15 @@ and a failed step of B rows costs B single-row retries. A backend left broken
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from clover_export.runtime.decoding.base import RowOutput
 from clover_export.runtime.request import Phase, Request
 from clover_export.runtime.runner import Runner
 from clover_export.runtime.scheduler import Scheduler, StepPlan
+from clover_export.runtime.state_mover import StepUndo
+
+StepObserver = Callable[[StepPlan, list[RowOutput]], None]
 
 
 class StepCapExceeded(RuntimeError):
@@ -63,6 +71,7 @@ class Loop:
         self.scheduler = scheduler
         self.runner = runner
         self.steps = 0
+        self.on_step: StepObserver | None = None
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -93,23 +102,24 @@ class Loop:
         plan = self.scheduler.schedule()
         if plan is None:
             return events
-        snap = self.runner.snapshot(plan)
+        held = self.runner.hold(plan)
         before = {id(r): len(r.response) for r in plan.requests}
         try:
             with self.runner.thread_scope(plan):
-                blocks, coreset, verdicts = self.runner.run(plan)
+                outputs = self.runner.run(plan)
         except Exception as e:  # noqa: BLE001
-            self.runner.restore(snap)
-            return events + self._isolate(plan, snap, e)
+            self.runner.states.undo(held)
+            return events + self._isolate(plan, held, e)
         self.steps += 1
-        # a rejected draft's rows changed its slot's GDN states: back to before the step (DECODING.md 5)
-        self.runner.rollback(snap, [req.slot for req, v in zip(plan.requests, verdicts)
-                                    if v is not None and v.accepted < len(req.draft)])
-        resolved = self.scheduler.update(plan, blocks, coreset, verdicts)
+        if self.on_step is not None:
+            self.on_step(plan, outputs)
+        self.runner.states.undo_rows(held, [req.slot for req, out in zip(plan.requests, outputs)
+                                            if req.strategy.undoes(req, out)])
+        resolved = self.scheduler.update(plan, outputs)
         events += [BlockEvent(r, r.response[before[id(r)]:], r.finished) for r in resolved]
         return events + [self.fail(r, StepCapExceeded(r)) for r in plan.requests if over_step_cap(r)]
 
-    def _isolate(self, plan: StepPlan, snap, error: Exception) -> list[BlockEvent]:
+    def _isolate(self, plan: StepPlan, held: StepUndo, error: Exception) -> list[BlockEvent]:
         """The step raised `error` and was undone: fail the rows that raise alone (all when none does)."""
         failing: list[tuple[Request, Exception]] = []
         if plan.batch > 1:
@@ -121,7 +131,7 @@ class Loop:
                     except Exception as e:  # noqa: BLE001
                         failing.append((req, e))
                     finally:
-                        self.runner.restore(snap)
+                        self.runner.states.undo(held)
             finally:
                 self.runner.observer = observer
         if not failing:

@@ -33,8 +33,9 @@ prompt is computed once). A request that resumes short of its common prefix
 with the source cuts its own prefill there, so the next one resumes exactly;
 and a chat prompt's prefill is cut after its last end-of-turn token, where the
 next turn's re-rendered conversation still agrees with it.
-The copies are the runner's (runtime/runner.py): `save_state` after a step,
-`resume` when `claim` places a request (`Resume`).
+The cache keeps the books and orders the copies; the runner's `StateMover`
+(runtime/state_mover.py) carries them out: `save` after a step (a snapshot's
+`SavedState`), `fork` when `Runner.claim` places a request (the `Fork` order).
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ REUSABLE = ("stop", "length", "stop_string", "cancelled")  # finish reasons whos
 
 
 class Device(Protocol):
-    """What the cache asks of the runner (runtime/runner.py)."""
+    """What the cache asks of the runner's state mover (runtime/state_mover.py)."""
 
-    def save_state(self, slot: int) -> tuple[Any, int]: ...  # (copy of the slot's GDN states, its bytes)
+    def save(self, slot: int) -> tuple[Any, int]: ...  # (SavedState: copy of the slot's GDN states, its bytes)
 
     def sequence_bytes(self) -> tuple[int, int]: ...  # (bytes per cached token, fixed bytes) of a slot
 
@@ -124,9 +125,10 @@ class Entry:
 
 
 @dataclass
-class Resume:
-    """What `Runner.claim` does for a placed request: K/V rows [0, length) from slot `source` (nothing
-    when it is the request's own slot) and the GDN states at `length` (`saved`, else the source's live ones)."""
+class Fork:
+    """The cache's copy order for a placed request (`StateMover.fork`, at `Runner.claim`): K/V rows
+    [0, length) from slot `source` (nothing when it is the request's own slot) and the GDN states at
+    `length` (`saved`, a `SavedState`, else the source's live ones)."""
 
     source: int
     length: int
@@ -184,9 +186,7 @@ class PrefixCache:
     def _run(self, req: Request) -> TokenRun:
         run = self._runs.get(req.request_id)
         if run is None:
-            # ar / self_spec read the logits of the prompt's last row: they resume before it at the latest
-            ids = req.prefill_ids[:-1] if req.lossless else req.prefill_ids
-            run = self._runs[req.request_id] = TokenRun(ids)
+            run = self._runs[req.request_id] = TokenRun(req.strategy.resumable_prompt(req))
         return run
 
     # --- placement --------------------------------------------------------------------
@@ -231,7 +231,7 @@ class PrefixCache:
 
     def place(self, req: Request, free_slots: list[int], running: list[Request]) -> bool:
         """Give `req` a slot from `free_slots` and its resume point; False when it waits (deferred) or no
-        slot is free. Sets slot, past_len, prefill_pos, cached_tokens and resume."""
+        slot is free. Sets slot, past_len, prefill_pos, cached_tokens and fork."""
         if not free_slots:
             return False
         best = self.best(req)
@@ -248,11 +248,11 @@ class PrefixCache:
         if p and slot == src.slot:  # taken over, whole or in place at a snapshot
             entry = src
             self._truncate(entry, p)
-            req.resume = Resume(slot, p, best.snap.saved if best.snap is not None else None)
+            req.fork = Fork(slot, p, best.snap.saved if best.snap is not None else None)
         else:  # a fresh sequence, or forked: rows [0, p) copied, the states from the snapshot or the source
             self._drop(slot)
             entry = self.entries[slot] = Entry(slot, TokenRun(src.seq.tokens[:p] if p else ()))
-            req.resume = Resume(src.slot, p, best.snap.saved if best.snap is not None else None) if p else None
+            req.fork = Fork(src.slot, p, best.snap.saved if best.snap is not None else None) if p else None
         if best.snap is not None:
             best.snap.last_used = now
             self._hold(entry, best.snap)
@@ -319,7 +319,7 @@ class PrefixCache:
     def _save(self, entry: Entry, pos: int, kind: str) -> None:
         if pos in entry.points:
             return
-        saved, nbytes = self.device.save_state(entry.slot)
+        saved, nbytes = self.device.save(entry.slot)
         if nbytes > self.budget_bytes:
             return
         snap = Snap(pos, saved, nbytes, kind, self._tick())

@@ -1,28 +1,21 @@
 """The per-request record the scheduler and the runner share (DECODING.md 1; nano-vllm's `Sequence`).
 
 Plain Python, no tensor library: positions, tokens, phase and counters of one
-request. The runner keeps the request's device state (counts, generator,
-parameters) under its slot.
+request, its decoding `strategy` (runtime/decoding/) and that strategy's per-request `state`. The runner
+keeps the request's device state (counts, generator, parameters) under its slot.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from clover_export.runtime import decoding
+from clover_export.runtime.decoding.base import Phase, Strategy
+
 _ids = itertools.count()
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"  # no slot yet
-    PREFILL = "prefill"  # prompt chunks still to append to the caches
-    COMMIT = "commit"  # a resolved block waits for its own causal step (commit not folded)
-    DENOISE = "denoise"  # a block is being filled
-    SPEC = "spec"  # ar / self_spec: each step verifies the draft and appends at least one token (DECODING.md 5)
-    FINISHED = "finished"
 
 
 @dataclass
@@ -53,12 +46,11 @@ class Request:
     error: Exception | None = None  # why the request failed (finish_reason "error"); see loop.py
     # prefix reuse (runtime/prefix_cache.py)
     cached_tokens: int = 0  # prompt tokens resumed from another request's caches, not computed
-    resume: Any = None  # prefix_cache.Resume for Runner.claim, set when the request is placed
+    fork: Any = None  # prefix_cache.Fork for Runner.claim, set when the request is placed
     cuts: set[int] = field(default_factory=set)  # positions its prefill chunks end at (points for others)
-    # lossless modes (DECODING.md 5; runtime/speculative.py)
-    decoding: str = "low_confidence"
-    pending: list[int] = field(default_factory=list)  # response tokens not yet in the caches (the last: newest)
-    draft: list[int] = field(default_factory=list)  # unverified tokens after the response (self_spec)
+    # the decoding mode (runtime/decoding/) and its per-request state (`Strategy.new_state`)
+    strategy: Strategy = field(default_factory=lambda: decoding.strategy(decoding.DEFAULT))
+    state: Any = None
 
     # --- counters (DECODING.md 4 report) ------------------------------------
     denoise_steps: int = 0
@@ -72,8 +64,8 @@ class Request:
     accepted_tokens: int = 0
 
     def __post_init__(self):
-        if self.lossless:  # one token after another from the prompt's end: block alignment plays no part
-            self.alignment = "prompt_end"
+        self.alignment = self.strategy.alignment(self.alignment)
+        self.state = self.strategy.new_state()
         if self.alignment == "absolute":
             cut = len(self.prompt_ids) // self.block_size * self.block_size
         else:
@@ -90,17 +82,9 @@ class Request:
         return self.phase is Phase.FINISHED
 
     @property
-    def lossless(self) -> bool:
-        """ar or self_spec: the output is the causal model's (DECODING.md 5)."""
-        return self.decoding != "low_confidence"
-
-    @property
-    def response_base(self) -> int:
-        """Response index n of block position 0 (negative while the prompt tail fills the block's start).
-        Lossless modes: the block sits after the draft, its position 0 where the next bonus token goes."""
-        if self.lossless:
-            return len(self.response) + len(self.draft)
-        return len(self.response) - self.tail
+    def decoding(self) -> str:
+        """The mode's name (runtime/decoding/)."""
+        return self.strategy.name
 
     def new_block(self) -> None:
         """Start the next block after the committed text (DECODING.md 1.4)."""
@@ -108,15 +92,6 @@ class Request:
         self.tail = len(tail)
         self.block = list(tail) + [self.mask_id] * (self.block_size - self.tail)
         self.block_steps = 0
-
-    def seen_counts(self) -> Counter:
-        """count(token) of DECODING.md 3: the response so far plus the active block's filled response positions."""
-        c = self.counts.copy()
-        if self.lossless:  # the block drafts what follows the draft
-            c.update(self.draft)
-            return c
-        c.update(t for t in self.block[self.tail:] if t != self.mask_id)
-        return c
 
     def block_resolved(self, early_stop: bool) -> bool:
         """Every position filled, or (early stop) an end token filled with every position before it filled."""
@@ -150,14 +125,10 @@ class Request:
             return True
         return False
 
-    def draft_room(self) -> int:
-        """The most draft tokens worth verifying: the response limit leaves room for them plus a bonus token."""
-        return max(0, min(self.block_size - 1, self.max_new_tokens - len(self.response) - 1))
-
     # --- report (DECODING.md 4) -------------------------------------------------
     def stats(self) -> dict[str, float]:
         steps = self.denoise_steps
-        forwards = self.forwards if self.lossless else steps  # low_confidence: per denoise step (DECODING.md 4)
+        forwards = self.strategy.forwards(self)
         return {
             "prompt_tokens": self.prompt_len,
             "cached_tokens": self.cached_tokens,

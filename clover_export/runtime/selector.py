@@ -62,7 +62,7 @@ def sampling_probs(
 ) -> torch.Tensor:
     """The distribution `sample` draws from, in vocabulary order: temperature, then top-k, then top-p
     (stable sort: ties rank the lower id first), renormalised (DECODING.md 2.4). The lossless modes need it
-    whole: speculative sampling compares two of them (runtime/speculative.py)."""
+    whole: speculative sampling compares two of them (runtime/decoding/speculative.py)."""
     V = l.shape[-1]
     l = l / temperature[..., None]
     sorted_l, order = torch.sort(l, dim=-1, descending=True, stable=True)

@@ -4,7 +4,7 @@ Per request: status, time to first block, end-to-end latency, tokens, and
 the dLLM figures (denoise steps, tokens per forward, distinct experts per
 block, DECODING.md 4), prompt tokens resumed from the prefix cache; per
 finished request its decoding mode (a label of the validated modes only) and,
-for self_spec, the draft tokens accepted per verifying forward (DECODING.md 5). Per
+for a drafting mode (self_spec), the draft tokens accepted per verifying forward (DECODING.md 5). Per
 engine step: step time, running rows, queue depth. At each scrape: the
 prefix cache's hit rate and bytes (docs/prefix_cache.md). Beside them, the `vllm:` names dashboards read
 (metrics_vllm.py).
@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from clover_export.core.generation import DECODING_MODES
+from clover_export.runtime import decoding as modes
 from clover_export.serve import adapter
 from clover_export.serve.metrics_vllm import VllmMetrics
 
@@ -51,7 +51,7 @@ class Metrics:
                                             buckets=(0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         self.decoding = Counter(PREFIX + "decoding_requests", "finished generation requests by decoding mode",
                                 ["decoding"], registry=r)
-        for mode in DECODING_MODES:  # every series from the start, and no others
+        for mode in modes.MODES:  # every series from the start, and no others
             self.decoding.labels(mode)
         self.accepted_per_forward = Histogram(PREFIX + "accepted_per_forward",
                                               "self_spec: mean draft tokens accepted per verifying forward, per "
@@ -85,14 +85,15 @@ class Metrics:
 
     def finished(self, endpoint: str, status: int, job=None, result=None, decoding: str | None = None) -> None:
         """One answered request; with its job and Result (status 200), its figures. `decoding`: the mode it
-        ran with, one of DECODING_MODES (validated before the engine took it)."""
+        ran with, one of the registered modes (validated before the engine took it)."""
         self.requests.labels(endpoint, str(status)).inc()
         if job is None or result is None:
             return
         decoding = getattr(result, "decoding", None) or decoding
-        if decoding in DECODING_MODES:
+        strategy = modes.STRATEGIES.get(decoding)
+        if strategy is not None:
             self.decoding.labels(decoding).inc()
-        if decoding == "self_spec":
+        if strategy is not None and strategy.drafts:
             self.accepted_per_forward.observe(getattr(result, "accepted_per_forward", 0.0))
         if job.first_block is not None:
             self.time_to_first_block.observe(job.first_block - job.submitted)

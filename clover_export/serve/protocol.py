@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from clover_export.core import generation
 from clover_export.core.errors import CloverError
 from clover_export.core.generation import Range
+from clover_export.runtime import decoding as modes
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages[i].content[j].text); 32 leaves room for metadata
 MAX_STOP = 16  # stop strings a request may give (OpenAI: 4); the engine searches each one every block
@@ -225,7 +226,7 @@ RANGES: dict[str, Range | Choice] = {
     "min_tokens": generation.RANGES["min_tokens"],
     "ignore_eos": generation.RANGES["ignore_eos"],
     "block_size": Range("int", 1),  # and equal to the engine's (checked against it)
-    "decoding": Choice(generation.DECODING_MODES),
+    "decoding": Choice(modes.MODES),
     **{name: generation.RANGES[name] for name in CLOVER_KNOBS},
 }
 NOTES = {

@@ -1,12 +1,12 @@
-"""The lossless modes' device side: the autoregressive choice at causal rows and a draft's verification
-(DECODING.md 5).
+"""Speculative sampling, the device side of a sampled draft's verification (DECODING.md 5;
+runtime/decoding/device.py runs it for `DeviceWork.VERIFY` rows; greedy rows: `ar.accept_greedy`).
 
 `ar` and `self_spec` rows name the causal rows whose logits they read (`StepPlan.logit_rows`): the row of
 the newest token not yet verified by a forward, then one row per draft token. Row i predicts the token at
 response index len(response) + i, so its controls count the response plus the draft tokens before it.
 
 - Greedy rows: the AR token of each row (mask token excluded, controls, argmax, lowest id on ties). The
-  draft's longest prefix equal to those tokens is accepted, plus the AR token after it (`Verdict`).
+  draft's longest prefix equal to those tokens is accepted, plus the AR token after it (`base.Verdict`).
 - Sampling rows: speculative sampling (Leviathan et al. 2023, Chen et al. 2023). Draft token x_i was drawn
   from q_i (the block's distribution at its position, after the same controls and sampling transforms); it
   is kept with probability min(1, p_i(x_i) / q_i(x_i)), p_i the AR distribution; the first rejected position
@@ -16,30 +16,10 @@ response index len(response) + i, so its controls count the response plus the dr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from clover_export.runtime.controls import RowParams
 from clover_export.runtime.selector import draw, sampling_probs
-
-
-@dataclass
-class Verdict:
-    """One lossless row's step: `accepted` leading draft tokens, then `bonus`; `draft` for the next step."""
-
-    accepted: int
-    bonus: int
-    draft: list[int] = field(default_factory=list)
-
-
-def accept_greedy(draft: list[int], ar_tokens: list[int]) -> tuple[int, int]:
-    """(accepted, bonus): the longest prefix of `draft` equal to the AR tokens of its rows, then the AR token
-    after it. ar_tokens[i] is the AR choice at logit row i (len(draft) + 1 of them)."""
-    m = 0
-    while m < len(draft) and draft[m] == ar_tokens[m]:
-        m += 1
-    return m, ar_tokens[m]
 
 
 def accept_sampled(

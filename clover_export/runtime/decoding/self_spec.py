@@ -1,0 +1,23 @@
+"""`self_spec`: `ar`'s output, several tokens per forward (DECODING.md 5). Each step also runs a block of
+masks after the causal rows; its one-step LowConfidence choice is the next draft (`DeviceWork.DRAFT`: the
+leading block positions after position 0 more confident than `draft_threshold`, kept when the step's bonus
+token equals the block's position 0)."""
+
+from __future__ import annotations
+
+from clover_export.runtime.decoding.ar import Ar
+from clover_export.runtime.decoding.base import DeviceWork, RowOutput, Rows
+
+
+class SelfSpec(Ar):
+    name = "self_spec"
+    device_work = frozenset({DeviceWork.VERIFY, DeviceWork.DRAFT})
+    drafts = True
+
+    def block_rows(self, req) -> list[int] | None:
+        return [req.mask_id] * req.block_size
+
+    def next_draft(self, out: RowOutput, rows: Rows, accepted: int, bonus: int) -> list[int]:
+        if rows.block is None or accepted != len(rows.draft) or out.tokens[0] != bonus:
+            return []
+        return out.tokens[1:1 + out.lead]
