@@ -2,7 +2,7 @@
 Compiling).
 
 A compile runs on a worker thread of a small pool (the engine drops the GIL while it builds a grammar, so
-the engine thread and other compiles go on). The caller waits at most `CompileLimits.seconds`; a compile
+the batch-loop thread and other compiles go on). The caller waits at most `CompileLimits.seconds`; a compile
 that takes longer is refused with a GrammarError naming the field. A thread cannot be stopped, so the
 abandoned compile finishes in its worker (the engine's own limits on grammar size and lexer work bound it)
 and its result stays in the cache: the same spec again waits on that one compile, it does not start
