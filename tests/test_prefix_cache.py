@@ -472,9 +472,8 @@ def test_serve_command_passes_the_cache_options(monkeypatch):
     seen = []
     monkeypatch.setattr(cli, "_check_port", lambda host, port: None)
     monkeypatch.setattr(cli, "_run_uvicorn", lambda opts, *a: seen.append(opts))
-    for args, want in (([], (True, None)), (["--no-prefix-cache"], (False, None)),
-                       (["--prefix-cache-gb", "0.5"], (True, 0.5))):
+    for args, want in (([], True), (["--no-prefix-cache"], False), (["--prefix-cache-gb", "0.5"], 0.5)):
         result = CliRunner().invoke(cli.serve, args)
         assert result.exit_code == 0, result.output
-        assert (seen[-1].prefix_cache, seen[-1].prefix_cache_gb) == want
+        assert seen[-1].runtime.prefix_cache == want and type(seen[-1].runtime.prefix_cache) is type(want)
     assert CliRunner().invoke(cli.serve, ["--prefix-cache-gb", "-1"]).exit_code == 2
