@@ -133,3 +133,19 @@ def test_ray_serve_arguments_fill_the_same_configuration():
     opts = seen[0]
     assert (opts.model, opts.max_queue, opts.served_model_name) == ("/m", 64, "clover")
     assert opts.runtime == RuntimeConfig(backend="trt", max_slots=16, threads=2)
+
+
+def test_the_docs_list_every_field_and_each_backends_own():
+    import dataclasses
+    from pathlib import Path
+
+    from clover_export.runtime.config import BACKEND_FIELDS
+
+    doc = (Path(__file__).parents[1] / "docs" / "runtime.md").read_text()
+    section = doc.split("## Runtime configuration")[1].split("\n## ")[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    listed = [name.strip().strip("`") for cell in rows for name in cell.split(",")]
+    assert sorted(listed) == sorted(f.name for f in dataclasses.fields(RuntimeConfig))
+    assert BACKEND_FIELDS == {"torch": ("dtype", "device", "block_size", "allow_qwen", "threads"),
+                              "triton": ("dtype", "device", "block_size", "allow_qwen"), "ort": ("threads",),
+                              "trt": ()}  # as the section says
