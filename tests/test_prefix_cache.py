@@ -432,12 +432,13 @@ def test_server_reports_cached_tokens_and_the_cache_figures(tiny_dir):
     from prometheus_client.parser import text_string_to_metric_families
     from test_serve import ThreadServer
 
+    from clover_export.runtime.config import RuntimeConfig
     from clover_export.serve.app import ServeOptions, build_app
 
     body = {"model": "clover-tiny", "max_tokens": 20,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "sort 3 1 2"}]}
     for on in (True, False):
-        with ThreadServer(build_app(ServeOptions(max_batch=2, prefix_cache=on))) as srv:
+        with ThreadServer(build_app(ServeOptions(runtime=RuntimeConfig(max_slots=2, prefix_cache=on)))) as srv:
             srv.wait_healthy()
             outs = [httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).json() for _ in range(2)]
             streamed = [line for line in httpx.post(
@@ -471,9 +472,8 @@ def test_serve_command_passes_the_cache_options(monkeypatch):
     seen = []
     monkeypatch.setattr(cli, "_check_port", lambda host, port: None)
     monkeypatch.setattr(cli, "_run_uvicorn", lambda opts, *a: seen.append(opts))
-    for args, want in (([], (True, None)), (["--no-prefix-cache"], (False, None)),
-                       (["--prefix-cache-gb", "0.5"], (True, 0.5))):
+    for args, want in (([], True), (["--no-prefix-cache"], False), (["--prefix-cache-gb", "0.5"], 0.5)):
         result = CliRunner().invoke(cli.serve, args)
         assert result.exit_code == 0, result.output
-        assert (seen[-1].prefix_cache, seen[-1].prefix_cache_gb) == want
+        assert seen[-1].runtime.prefix_cache == want and type(seen[-1].runtime.prefix_cache) is type(want)
     assert CliRunner().invoke(cli.serve, ["--prefix-cache-gb", "-1"]).exit_code == 2

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from clover_export.core.errors import CloverError
+from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.adapter import TextSplit, chars_per_token
 from clover_export.serve.app import ServeOptions, build_app
 
@@ -71,7 +72,8 @@ class ThreadServer:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    app = build_app(ServeOptions(max_batch=8, max_queue=64, max_body_bytes=64 << 10, request_timeout_s=120))
+    app = build_app(ServeOptions(runtime=RuntimeConfig(max_slots=8), max_queue=64, max_body_bytes=64 << 10,
+                                 request_timeout_s=120))
     with ThreadServer(app) as srv:
         srv.wait_healthy()
         yield srv
@@ -610,7 +612,7 @@ def test_a_tiny_temperature_is_greedy(server, client, reference, temperature):
 
 def test_health_is_503_until_loaded_and_stepped():
     gate = threading.Event()
-    opts = ServeOptions(max_batch=1)
+    opts = ServeOptions(runtime=RuntimeConfig(max_slots=1))
     real = opts.load_generator
     opts.load_generator = lambda: (gate.wait(60), real())[1]
     with ThreadServer(build_app(opts)) as srv:
@@ -628,7 +630,7 @@ def test_api_key_guards_metrics_when_asked_and_no_origin_is_allowed_by_default()
     def no_model():
         raise CloverError("serve", "no model in this test")
 
-    opts = ServeOptions(max_batch=1, api_key="k-1", protect_metrics=True)
+    opts = ServeOptions(runtime=RuntimeConfig(max_slots=1), api_key="k-1", protect_metrics=True)
     opts.load_generator = no_model
     with ThreadServer(build_app(opts)) as srv:
         assert httpx.get(srv.url + "/metrics").status_code == 401

@@ -18,6 +18,7 @@ from test_serve import ThreadServer
 from test_serve_process import start_server, stop_server
 from test_serve_tools import SCRIPT, SORT, TOOLS, WEATHER, pieces, scripted_deliver
 
+from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.doors import common, messages
 from clover_export.serve.engine import Engine
@@ -461,7 +462,7 @@ CUTS = [5, 22, 27, 49, 60, 95, 130, 150, 170]  # blocks cut inside the markers, 
 def scripted(tiny_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Engine, "deliver", scripted_deliver(Engine.deliver))
-        with ThreadServer(build_app(ServeOptions(max_batch=2, request_timeout_s=120))) as srv:
+        with ThreadServer(build_app(ServeOptions(runtime=RuntimeConfig(max_slots=2), request_timeout_s=120))) as srv:
             srv.wait_healthy()
             yield srv.url
 

@@ -24,6 +24,7 @@ from test_serve import LONG, ThreadServer, check_error
 from test_serve_process import free_port
 
 from clover_export.cli import main
+from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.engine import Job
 
@@ -65,7 +66,7 @@ def reference(tiny_dir):
 
 
 def new_server(**kw):
-    opts = dict(max_batch=4, max_queue=8, request_timeout_s=60)
+    opts = dict(runtime=RuntimeConfig(max_slots=4), max_queue=8, request_timeout_s=60)
     return ThreadServer(build_app(ServeOptions(**{**opts, **kw})))
 
 

@@ -23,6 +23,7 @@ import pytest
 from test_serve import LONG, ThreadServer, check_error
 from test_serve_process import start_server
 
+from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 
 # exactly one token per step (threshold 1.0), end tokens ignored: ~1000 steps unless cancelled
@@ -34,7 +35,7 @@ ONE_BLOCK = {**LONG, "max_tokens": 32}
 # --- a client that leaves ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    with ThreadServer(build_app(ServeOptions(max_batch=4, request_timeout_s=120))) as srv:
+    with ThreadServer(build_app(ServeOptions(runtime=RuntimeConfig(max_slots=4), request_timeout_s=120))) as srv:
         srv.wait_healthy()
         yield srv
 

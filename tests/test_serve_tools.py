@@ -20,6 +20,7 @@ from test_serve import ThreadServer
 from test_serve_process import start_server, stop_server
 
 from clover_export.serve import protocol
+from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.engine import Engine
 
@@ -212,7 +213,7 @@ def scripted_deliver(real):
 def scripted(tiny_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Engine, "deliver", scripted_deliver(Engine.deliver))
-        app = build_app(ServeOptions(max_batch=2, request_timeout_s=120))
+        app = build_app(ServeOptions(runtime=RuntimeConfig(max_slots=2), request_timeout_s=120))
         with ThreadServer(app) as srv:
             srv.wait_healthy()
             yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)

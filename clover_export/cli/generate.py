@@ -2,80 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import click
 
-from clover_export.core import generation
+from clover_export.cli.options import BACKEND_CHOICES, request_options, runtime_options
 from clover_export.core.errors import CloverError
-from clover_export.runtime import decoding as modes
+from clover_export.runtime.config import RuntimeConfig
 
 
-def _backend_for(model: str | None, backend: str | None, device: str | None = None) -> str:
-    from clover_export.backends import default_backend
-
-    return backend or default_backend(model, device)
-
-
-def _load(model, backend, block_size=None, dtype="auto", device=None, allow_qwen=False, max_slots=4, threads=None):
+def _load(model, runtime: RuntimeConfig):
     from clover_export.runtime import Generator
 
-    backend = _backend_for(model, backend, device)
-    opts = {}
-    if backend == "torch":
-        opts = dict(dtype=dtype, device=device, block_size=block_size, allow_qwen=allow_qwen, threads=threads)
-    elif backend == "triton":
-        opts = dict(dtype=dtype, device=device, block_size=block_size, allow_qwen=allow_qwen)
-    elif backend == "ort":
-        opts = dict(threads=threads)
-    return Generator.load(model, backend=backend, max_slots=max_slots, **opts)
+    return Generator.load(model, config=runtime)
 
 
 @click.command()
 @click.argument("model", required=False)
 @click.option("--prompt", "prompts", multiple=True, required=True,
               help="Prompt text (chat template applied unless --raw). Repeat for a batch.")
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt", "triton"]), default=None,
-              help="Engine to run: torch (reference model), ort (exported artifact; a model folder is exported "
-                   "into the cache on first use), trt (TensorRT engine), triton (model folder on the Triton "
-                   "kernels with CUDA graphs; CPU only under TRITON_INTERPRET=1). "
-                   "Default: ort for an artifact folder (it has manifest.json), triton on a CUDA GPU without "
-                   "TensorRT, torch otherwise.")
-@click.option("--decoding", type=click.Choice(modes.MODES), default=None,
-              help="How tokens are chosen (default: the model's generation_config.json, else "
-                   f"{generation.GenerationSettings.decoding}). low_confidence: block diffusion, the fastest; "
-                   "its text differs from ar's. ar: greedy (or sampled) autoregressive decoding of the causal "
-                   "mode, one token per forward: the reference. self_spec: the same output as ar (greedy: token "
-                   "for token; sampling: the same distribution), several tokens per forward (the block drafts, "
-                   "the causal rows verify).")
-@click.option("--draft-threshold", type=float, default=None,
-              help="self_spec: how confident a block position must be to be drafted, in [0, 1] (0: every "
-                   f"position, 1: none; default {generation.DRAFT_THRESHOLD}). Changes the speed only: not the "
-                   "greedy output, nor the sampled distribution.")
-@click.option("--max-new-tokens", type=int, default=None, help="Hard limit on response tokens.")
-@click.option("--threshold", type=float, default=None, help="LowConfidence threshold in (0, 1].")
-@click.option("--block-size", type=int, default=None,
-              help="Block size (torch: builds the model with it; other backends: must be the engine's).")
-@click.option("--no-think", is_flag=True, help="enable_thinking=False (template and </think> bias).")
-@click.option("--seed", type=int, default=None, help="Seed of the request's sampler.")
-@click.option("--sample", is_flag=True, help="Sample (temperature/top-k/top-p) instead of greedy.")
-@click.option("--temperature", type=float, default=None)
-@click.option("--top-k", type=int, default=None)
-@click.option("--top-p", type=float, default=None)
+@request_options
 @click.option("--stop", "stop", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--raw", is_flag=True, help="Tokenise the prompt as is, without the chat template.")
-@click.option(
-    "--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", help="torch/triton backend dtype."
-)
-@click.option("--device", default=None, help="torch/triton backend device (default: cuda if available, else cpu).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads (torch intra-op, or ONNX Runtime intra-op). Default: OMP_NUM_THREADS if set, "
-                   "else sized from the work (the embedded default runs on one).")
+@runtime_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per request instead of streaming text.")
-def generate(model, prompts, backend, decoding, draft_threshold, max_new_tokens, threshold, block_size, no_think, seed,
-             sample, temperature, top_k, top_p, stop, raw, dtype, device, threads, as_json):
+def generate(model, prompts, params, stop, raw, runtime, as_json):
     """Generate from MODEL: block diffusion (LowConfidence) by default, or
     autoregressive (--decoding ar / self_spec).
 
@@ -87,24 +41,20 @@ def generate(model, prompts, backend, decoding, draft_threshold, max_new_tokens,
     response_tokens, wall_time_s (see `Result` in
     clover_export/runtime/output.py). A stop string is in neither text nor
     token_ids (ids end before the token reaching into it); response_tokens
-    and tokens_per_forward count the kept ids only.
+    and tokens_per_forward count the kept ids only. The generation options
+    are the request parameters of docs/runtime.md (Request parameters).
     """
-    params = dict(max_new_tokens=max_new_tokens, threshold=threshold, seed=seed, temperature=temperature,
-                  top_k=top_k, top_p=top_p, stop=list(stop) or None, decoding=decoding,
-                  draft_threshold=draft_threshold)
-    if no_think:
-        params["enable_thinking"] = False
-    if sample or temperature is not None or top_k is not None or top_p is not None:
-        params["do_sample"] = True
-    backend = _backend_for(model, backend, device)
-    gen = _load(model, backend, block_size=block_size if backend in ("torch", "triton") else None, dtype=dtype,
-                device=device, max_slots=max(1, min(len(prompts), 16)), threads=threads)
-    if block_size is not None:
-        params["block_size"] = block_size
+    if stop:
+        params["stop"] = list(stop)
+    if any(k in params for k in ("temperature", "top_k", "top_p")):
+        params.setdefault("do_sample", True)
+    gen = _load(model, dataclasses.replace(runtime, max_slots=max(1, min(len(prompts), 16))))
+    if runtime.block_size is not None:
+        params["block_size"] = runtime.block_size
     handles = [gen.submit(p, raw=raw, **params) for p in prompts]  # all checked before any compute
     if as_json:
         for res in gen.wait(handles):
-            click.echo(json.dumps(_report(res, decoding or gen.defaults.decoding)))
+            click.echo(json.dumps(_report(res, params.get("decoding") or gen.defaults.decoding)))
         return
     if len(handles) == 1:
         for chunk in handles[0]:
@@ -129,7 +79,7 @@ def _report(res, decoding: str) -> dict:
 @click.command()
 @click.argument("golden", type=click.Path(exists=True, dir_okay=False))
 @click.argument("model", required=False)
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt", "triton"]), default=None,
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
               help="Engine for the response tokens (prompt logits always use the torch reference).")
 @click.option("--allow-qwen", is_flag=True, help="Accept a plain Qwen3.5-MoE folder (Clover tensors zero-filled).")
 @click.option("--atol", type=float, default=None, help="Logit tolerance (default: the file's, else 1e-3).")
@@ -152,7 +102,8 @@ def compare(golden, model, backend, allow_qwen, atol, device):
     report = CompareReport()
     if g.expected_logits is None and g.expected_token_ids is None:
         raise CloverError("compare", f"{golden}: has neither expected_logits nor expected_token_ids")
-    backend = _backend_for(model, backend, device)
+    runtime = RuntimeConfig(backend=backend, device=device, dtype="fp32", allow_qwen=allow_qwen, max_slots=1,
+                            block_size=g.params.get("block_size"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a plain Qwen folder warns about zero-filled Clover tensors
         if g.expected_logits is not None:
@@ -160,15 +111,7 @@ def compare(golden, model, backend, allow_qwen, atol, device):
                                     block_size=g.params.get("block_size"))
             compare_logits(g, ref.prompt_logits(g.prompt_ids), report)
         if g.expected_token_ids is not None:
-            gen = _load(
-                model,
-                backend,
-                block_size=g.params.get("block_size") if backend in ("torch", "triton") else None,
-                dtype="fp32",
-                device=device,
-                allow_qwen=allow_qwen,
-                max_slots=1,
-            )
+            gen = _load(model, runtime)
             res = gen.generate(prompt_ids=g.prompt_ids, **g.params)
             compare_tokens(g, res.token_ids, report)
     for line in report.lines(g.logits_atol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from clover_export.cli.options import runtime_options
 from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH
 from clover_export.serve.engine import shutting_down
@@ -20,10 +22,6 @@ from clover_export.serve.engine import shutting_down
 
 @click.command()
 @click.argument("model", required=False)
-@click.option("--backend", type=click.Choice(["torch", "ort", "trt", "triton"]), default=None,
-              help="Engine: torch (reference model), ort (exported artifact), trt (TensorRT engine), triton "
-                   "(the fast GPU kernels, a model folder). "
-                   "Default: ort for an artifact folder (it has manifest.json), torch otherwise.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--max-batch", type=click.IntRange(min=1), default=MAX_BATCH, show_default=True,
@@ -61,12 +59,7 @@ from clover_export.serve.engine import shutting_down
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM: seconds running requests get to finish (new ones get 503, the port stays open); "
                    "then they end with a 503 error.")
-@click.option("--block-size", type=int, default=None,
-              help="torch/triton backends: build the model with this block size.")
-@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto",
-              help="torch/triton backends: dtype.")
-@click.option("--device", default=None,
-              help="torch/triton backends: device (default: cuda if available, else cpu).")
+@runtime_options
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Resume requests from earlier requests' caches where their prompts start the same "
                    "(docs/prefix_cache.md); usage.prompt_tokens_details.cached_tokens says how many tokens.")
@@ -78,8 +71,8 @@ from clover_export.serve.engine import shutting_down
               help="How tool calls are read from the model's text: qwen3_coder (Qwen3.6's <function=...> XML), "
                    "hermes (JSON in <tool_call>), or auto: the format the chat template writes calls in.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
-def serve(model, backend, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
-          request_timeout, drain_timeout, block_size, dtype, device, log_level, api_key, protect_metrics,
+def serve(model, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
+          request_timeout, drain_timeout, runtime, log_level, api_key, protect_metrics,
           allowed_origins, prefix_cache, prefix_cache_gb, max_header_bytes, max_headers, header_timeout, body_timeout,
           max_connections, tool_call_parser):
     """Serve MODEL over the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
@@ -103,12 +96,13 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
     if api_key is not None and (not api_key or api_key != api_key.strip()):
         raise CloverError("serve", "the API key (--api-key or CLOVER_API_KEY) is empty or has surrounding whitespace",
                           "give the key itself, or unset CLOVER_API_KEY to serve without one")
-    opts = ServeOptions(model=model, backend=backend, dtype=dtype, device=device, block_size=block_size,
-                        max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
+    cache = prefix_cache_gb if prefix_cache and prefix_cache_gb is not None else prefix_cache
+    runtime = dataclasses.replace(runtime, max_slots=max_batch, prefix_cache=cache)
+    opts = ServeOptions(model=model, runtime=runtime, max_queue=max_queue, served_model_name=served_model_name,
                         api_key=api_key, protect_metrics=protect_metrics,
                         allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
-                        prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb, tool_call_parser=tool_call_parser,
+                        tool_call_parser=tool_call_parser,
                         connections=ConnectionLimits(max_header_bytes=max_header_bytes, max_headers=max_headers,
                                                      header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                                      max_connections=max_connections))
@@ -119,10 +113,10 @@ def serve(model, backend, host, port, max_batch, max_queue, served_model_name, r
             "pass a model folder, an exported artifact, an engine, or leave MODEL out for the embedded default",
         )
     _check_port(host, port)
-    if backend == "triton":  # the device check needs no model: fail before the server starts
+    if runtime.backend == "triton":  # the device check needs no model: fail before the server starts
         from clover_export.backends.triton_backend import check_target
 
-        check_target(device or ("cuda" if _cuda_available() else "cpu"), dtype)
+        check_target(runtime.device or ("cuda" if _cuda_available() else "cpu"), runtime.dtype)
     if replicas is not None:
         from clover_export.serve.ray_app import check_replicas, run_replicas
 

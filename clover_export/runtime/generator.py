@@ -13,10 +13,13 @@
     results = gen.wait(handles)                            # requests step together in one batch
     handles[0].cancel()                                    # frees the slot
 
-Per-request parameters are the fields of `GenerationSettings` (defaults from
-the model's generation_config.json) plus `block_size` (must be the
-engine's). A request that cannot fit the context, or with an out-of-range
-parameter, raises CloverError before any compute. A request that fails later
+The runtime's settings (slots, context, prefix cache, backend, device, dtype,
+threads, ...) are one `RuntimeConfig` (config.py). Per-request parameters
+are the fields of `GenerationSettings`, made from the table
+`generation.PARAMETERS` (defaults from the model's generation_config.json),
+plus `block_size` (must be the engine's). A request that cannot fit the
+context, or with an out-of-range parameter, raises CloverError before any
+compute. A request that fails later
 (an exception in its step, see loop.py) leaves the batch alone: its handle's
 `error` is set, iterating or waiting on it raises that CloverError, and the
 other requests go on. A Generator is driven from one thread: every `next()`
@@ -24,25 +27,26 @@ on a stream (or `wait`) steps all queued requests.
 
 Prefix reuse (docs/prefix_cache.md) is on by default: a request whose prompt
 starts like an earlier or running request's sequence resumes from its caches
-(`Result.cached_tokens`). `prefix_cache`: True (on, with DEFAULT_BUDGET_GB GiB
-of GDN state snapshots), a number (on, with that many GiB; 0 keeps none), or
-False (off).
+(`Result.cached_tokens`). RuntimeConfig.prefix_cache: True (on, with
+DEFAULT_BUDGET_GB GiB of GDN state snapshots), a number (on, with that many
+GiB; 0 keeps none), or False (off).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
 
-from clover_export.backends import Backend, default_backend, open_backend
+from clover_export.backends import Backend, open_backend
 from clover_export.core.errors import CloverError
 from clover_export.core.generation import GenerationSettings, load_generation_settings
-from clover_export.core.step_shape import PREFILL_CHUNK
 from clover_export.model.tokenizer import ChatTokenizer
 from clover_export.runtime import decoding
+from clover_export.runtime.config import RuntimeConfig
 from clover_export.runtime.loop import BlockEvent, Loop
 from clover_export.runtime.output import Result, StreamChunk, TextTracker
 from clover_export.runtime.prefix_cache import DEFAULT_BUDGET_GB, PrefixCache
@@ -68,12 +72,10 @@ def context_needed(prompt_len: int, max_new_tokens: int, block_size: int, alignm
 
 def prefix_cache_for(option: bool | float, runner: Runner, block_size: int, turn_end_id: int | None
                      ) -> PrefixCache | None:
-    """The `prefix_cache` option: True (the default budget), a budget in GiB, or False (off)."""
+    """The `prefix_cache` setting (checked by RuntimeConfig): True (the default budget), a budget in GiB, or False."""
     if option is False:
         return None
     gb = DEFAULT_BUDGET_GB if option is True else option
-    if isinstance(gb, bool) or not isinstance(gb, numbers.Real) or not gb >= 0:
-        raise CloverError("runtime", f"prefix_cache must be True, False or a budget in GiB >= 0, got {option!r}")
     return PrefixCache(runner.states, int(gb * 2**30), block_size, turn_end_id=turn_end_id)
 
 
@@ -164,15 +166,15 @@ class Stream:
 class Generator:
     """A loaded backend plus tokenizer, generation defaults, scheduler and runner."""
 
-    def __init__(self, backend: Backend, source_dir: str | Path, *, max_slots: int = 4,
-                 max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, fold_commit: bool = True,
-                 early_stop: bool = True, prefix_cache: bool | float = True):
+    def __init__(self, backend: Backend, source_dir: str | Path, config: RuntimeConfig | None = None,
+                 **settings: Any):
+        """`backend` opened from `source_dir`; `config`'s batch and cache settings, `settings` (its field names)
+        changing some (`Generator(backend, folder, max_slots=2)`)."""
+        self.config = config = dataclasses.replace(config or RuntimeConfig(), **settings)
         cfg = backend.cfg
         self.backend, self.cfg = backend, cfg
         self.mask_id = cfg.require_mask_token()
-        if max_slots < 1:
-            raise CloverError("runtime", f"max_slots must be >= 1, got {max_slots}")
-        limits = [cfg.max_context, backend.max_context] + ([max_context] if max_context else [])
+        limits = [cfg.max_context, backend.max_context] + ([config.max_context] if config.max_context else [])
         self.max_context = min(limits)
         self.block_size = backend.block_size
         self.tokenizer = ChatTokenizer(source_dir)
@@ -183,33 +185,28 @@ class Generator:
             raise CloverError("generation_config", f"{Path(source_dir) / 'generation_config.json'}: {e}") from None
         im_end = self.tokenizer.im_end_id
         self.extra_end_ids = frozenset([im_end] if im_end is not None else [])
-        self.runner = Runner(backend, max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
-        self.prefix_cache = prefix_cache_for(prefix_cache, self.runner, self.block_size, im_end)
-        scheduler = Scheduler(max_slots, self.block_size, prefill_chunk, fold_commit, early_stop,
-                              shapes=getattr(backend, "step_shapes", None), cache=self.prefix_cache)
+        self.runner = Runner(backend, config.max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
+        self.prefix_cache = prefix_cache_for(config.prefix_cache, self.runner, self.block_size, im_end)
+        scheduler = Scheduler(config.max_slots, self.block_size, config.prefill_chunk, config.fold_commit,
+                              config.early_stop, shapes=getattr(backend, "step_shapes", None), cache=self.prefix_cache)
         self.loop = Loop(scheduler, self.runner)
         self.handles: dict[int, Stream] = {}
 
     @classmethod
     def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
-             max_slots: int = 4, max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-             fold_commit: bool = True, early_stop: bool = True, prefix_cache: bool | float = True,
-             **backend_options: Any) -> "Generator":
-        """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once.
-
-        backend_options go to the backend: torch takes dtype ("auto", "fp32",
-        "bf16"), device, block_size, allow_qwen, threads; triton takes dtype, device,
-        block_size, allow_qwen plus fp8_experts, cuda_graphs, graph_batch_sizes,
-        graph_causal_rows, eager_fallback; ort takes providers, threads (and a model
-        folder or None, exported into the cache on first use). CPU threads follow
-        backends/threads.py; the caller's torch.get_num_threads() is left as it was.
-        backend None: `backends.default_backend` (ort for an artifact, triton on a CUDA GPU
-        without TensorRT, else torch). prefix_cache: see the module docstring.
+             config: RuntimeConfig | None = None, **options: Any) -> "Generator":
+        """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once, as `config` says
+        (runtime/config.py). `backend` and `options` change it: a RuntimeConfig field by its name
+        (max_slots, prefix_cache, dtype, device, threads, ...), anything else goes to the backend's load
+        (triton: fp8_experts, cuda_graphs, graph_batch_sizes, graph_causal_rows, eager_fallback; ort:
+        providers). The backend left out: `backends.default_backend` (ort for an artifact, triton on a CUDA
+        GPU without TensorRT, else torch). CPU threads follow backends/threads.py; the caller's
+        torch.get_num_threads() is left as it was.
         """
-        backend = backend or default_backend(model_or_artifact, backend_options.get("device"))
-        be = open_backend(backend, model_or_artifact, **backend_options)
-        return cls(be, be.source_dir, max_slots=max_slots, max_context=max_context, prefill_chunk=prefill_chunk,
-                   fold_commit=fold_commit, early_stop=early_stop, prefix_cache=prefix_cache)
+        config = RuntimeConfig.of(config, **options, **({"backend": backend} if backend else {}))
+        name = config.backend_for(model_or_artifact)
+        be = open_backend(name, model_or_artifact, **config.load_options(name))
+        return cls(be, be.source_dir, dataclasses.replace(config, backend=name))
 
     # --- requests ----------------------------------------------------------------
     def settings(self, **params: Any) -> GenerationSettings:

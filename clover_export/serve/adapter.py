@@ -22,6 +22,7 @@ from typing import Any
 from clover_export.core.errors import CloverError
 from clover_export.serve import tool_calls
 from clover_export.serve.protocol import (
+    BODY_PARAMETERS,
     MAX_TOOL_CHARS,
     ApiError,
     ChatRequest,
@@ -34,15 +35,11 @@ from clover_export.serve.tool_calls import ToolUse
 
 THINK_END = "</think>"
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort", "error": "error"}
-# runtime parameter name -> the OpenAI name a client sent
-OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+# runtime parameter name -> the OpenAI name a client sent (the table's, generation.PARAMETERS)
+OPENAI_NAMES = {p.name: p.openai for p in BODY_PARAMETERS if p.openai != p.name}
 # how many characters a tokenizer's normalizer may fold into one (NFC/NFKC compose up to 3 code points into
 # one, NFKC maps one 4-byte letter to one ASCII letter): the cheap prompt bound divides by it when one is set
 NORMALIZER_FOLD = 4
-_PASSED = ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-           "ignore_eos", "block_size", "decoding", "draft_threshold", "threshold", "dllm_length_penalty",
-           "dllm_length_penalty_start", "dllm_length_penalty_window", "dllm_think_end_bias", "dllm_think_end_start",
-           "dllm_think_end_window")
 
 
 @dataclass
@@ -71,11 +68,11 @@ class Submission:
 def _sampling(req: CommonParams) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:  # OpenAI and vLLM refuse it too
         raise refuse("stream_options", "is only allowed when 'stream' is true")
-    kw: dict[str, Any] = {k: getattr(req, k) for k in _PASSED}
+    kw: dict[str, Any] = {p.name: getattr(req, p.openai) for p in BODY_PARAMETERS}
+    kw["block_size"] = req.block_size
     if req.temperature is not None:  # OpenAI: 0 is greedy; any other value samples at that temperature
         kw["do_sample"] = req.temperature > 0
         kw["temperature"] = req.temperature if req.temperature > 0 else None
-    kw["max_new_tokens"] = req.max_tokens
     if req.stop is not None:
         kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     return kw

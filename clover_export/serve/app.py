@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH
+from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve import adapter, doors, protocol, tool_calls
 from clover_export.serve.connections import ConnectionLimits, body_timed_out
 from clover_export.serve.doors.common import Call, Outcome, Pieces, matched_stop, renamed, sse
@@ -49,11 +50,7 @@ class ServeOptions:
     """Everything one server process needs; plain data, so Ray can ship it to replicas."""
 
     model: str | None = None
-    backend: str | None = None  # torch / ort / trt / triton; default: ort for an artifact folder, else torch
-    dtype: str = "auto"
-    device: str | None = None
-    block_size: int | None = None
-    max_batch: int = MAX_BATCH  # rows in the continuous batch (runtime slots)
+    runtime: RuntimeConfig = field(default_factory=lambda: RuntimeConfig(max_slots=MAX_BATCH))  # slots: the batch
     max_queue: int = 64  # requests waiting for a row before 503
     served_model_name: str | None = None
     max_body_bytes: int = 4 << 20
@@ -62,10 +59,13 @@ class ServeOptions:
     api_key: str | None = None  # Bearer key required on /v1/* (SERVING.md 5)
     protect_metrics: bool = False  # /metrics needs the key too
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
-    prefix_cache: bool = True  # reuse earlier requests' caches (docs/prefix_cache.md)
-    prefix_cache_gb: float | None = None  # snapshot memory of the prefix cache; None: the runtime's default
     connections: ConnectionLimits = ConnectionLimits()  # request heads, slow clients, open connections
     tool_call_parser: str | None = None  # a tool_calls.PARSERS name; None or "auto": from the chat template
+
+    @property
+    def max_batch(self) -> int:
+        """Rows in the continuous batch: the runtime's slots."""
+        return self.runtime.max_slots
 
     @property
     def model_id(self) -> str:
@@ -74,15 +74,9 @@ class ServeOptions:
         return "clover-tiny" if self.model in (None, "tiny") else Path(self.model).resolve().name
 
     def load_generator(self):
-        from clover_export.artifact.manifest import is_artifact
         from clover_export.runtime import Generator
 
-        backend = self.backend or ("ort" if is_artifact(self.model) else "torch")
-        opts: dict[str, Any] = {}
-        if backend in ("torch", "triton"):
-            opts = dict(dtype=self.dtype, device=self.device, block_size=self.block_size)
-        cache = self.prefix_cache_gb if self.prefix_cache and self.prefix_cache_gb is not None else self.prefix_cache
-        return Generator.load(self.model, backend=backend, max_slots=self.max_batch, prefix_cache=cache, **opts)
+        return Generator.load(self.model, config=self.runtime)
 
 
 def build_app(options: ServeOptions) -> FastAPI:

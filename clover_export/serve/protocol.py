@@ -8,9 +8,11 @@ before anything reaches the engine:
   parse, counts capped (`check_counts`) before anything walks the body,
   every string valid Unicode;
 - the request models: strict types (no `true` as 1, no `"yes"` as true),
-  unknown fields refused, `null` wherever OpenAI accepts it, ranges from the
-  one table `RANGES` (OpenAI's for OpenAI's fields, the runtime's for
-  Clover's own, `decoding` among them), which `ranges_markdown` renders into docs/serving.md;
+  unknown fields refused, `null` wherever OpenAI accepts it; the sampling
+  and generation fields are made from the one table of request parameters
+  (`generation.PARAMETERS`: OpenAI's ranges for OpenAI's fields, the
+  runtime's for the rest), which with the server's own fields is `RANGES`,
+  rendered into docs/serving.md by `ranges_markdown`;
 - `validation_error`: a pydantic error as a 400 naming the public field
   (`messages[0].content`), whatever union member pydantic tried.
 """
@@ -20,17 +22,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, create_model
 from pydantic_core import PydanticCustomError
 
 from clover_export.core import generation
 from clover_export.core.errors import CloverError
-from clover_export.core.generation import Range
-from clover_export.runtime import decoding as modes
+from clover_export.core.generation import Choice, Range
+from clover_export.runtime import decoding  # noqa: F401  (fills the table's decoding modes)
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest 5 deep (messages[i].content[j].text); 32 leaves room for metadata
 MAX_STOP = 16  # stop strings a request may give (OpenAI: 4); the engine searches each one every block
@@ -192,59 +193,19 @@ def check_unicode(data: Any, path: str = "") -> None:
 
 
 # --- the parameter table ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Choice:
-    """Accepted values of a string parameter: one of `values` (checked and described as a `Range` is)."""
-
-    values: tuple[str, ...]
-    kind: str = "str"
-
-    def describe(self) -> str:
-        return "one of " + ", ".join(json.dumps(v) for v in self.values)
-
-    def check(self, name: str, value: Any) -> None:
-        """CloverError naming the parameter unless `value` is one of the values."""
-        if not isinstance(value, str) or value not in self.values:
-            raise CloverError("generate", f"parameter '{name}' must be {self.describe()}, got {show(value)}")
-
-
-CLOVER_KNOBS = ("threshold", "dllm_length_penalty", "dllm_length_penalty_start", "dllm_length_penalty_window",
-                "dllm_think_end_bias", "dllm_think_end_start", "dllm_think_end_window", "draft_threshold")
-# The one table of request ranges (SERVING.md 5): OpenAI's for OpenAI's fields, the runtime's
-# (generation.RANGES, DECODING.md 1.2) for the vLLM extras and Clover's own knobs.
-RANGES: dict[str, Range | Choice] = {
-    "max_tokens": Range("int", 1),
-    "max_completion_tokens": Range("int", 1),
-    "n": Range("int", 1, 1),
-    "temperature": Range("real", 0, 2),
-    "top_p": Range("real", 0, 1, low_open=True),
-    "presence_penalty": Range("real", -2, 2),
-    "frequency_penalty": Range("real", -2, 2),
-    "seed": generation.SEED_RANGE,
-    "top_k": generation.RANGES["top_k"],
-    "repetition_penalty": generation.RANGES["repetition_penalty"],
-    "min_tokens": generation.RANGES["min_tokens"],
-    "ignore_eos": generation.RANGES["ignore_eos"],
-    "block_size": Range("int", 1),  # and equal to the engine's (checked against it)
-    "decoding": Choice(modes.MODES),
-    **{name: generation.RANGES[name] for name in CLOVER_KNOBS},
+# The per-request parameters that are fields of the body, from the one table (generation.PARAMETERS); the nested
+# chat_template_kwargs.enable_thinking is a field of ChatTemplateKwargs below.
+BODY_PARAMETERS = tuple(p for p in generation.PARAMETERS if p.openai and "." not in p.openai)
+# The server's own ranged fields: accepted values, default, note.
+OWN_FIELDS: dict[str, tuple[Range, str, str]] = {
+    "max_completion_tokens": (Range("int", 1), "max_tokens", "chat: the same as max_tokens, and wins over it"),
+    "n": (Range("int", 1, 1), "1", "one choice per request"),
+    "block_size": (Range("int", 1), "the engine's", "must equal the engine's"),
 }
-NOTES = {
-    "max_tokens": "default: the model's generation_config.json; with the prompt it must fit the context",
-    "max_completion_tokens": "chat: the same as max_tokens, and wins over it",
-    "n": "one choice per request",
-    "temperature": "0, or anything below 1e-5, is greedy",
-    "seed": "sampling only",
-    "top_k": "0 = off",
-    "min_tokens": "no end token before this many tokens (vLLM)",
-    "ignore_eos": "end tokens do not end the response (vLLM)",
-    "block_size": "must equal the engine's",
-    "decoding": "low_confidence: block diffusion, the fastest, its text differs from ar's; ar: autoregressive, one "
-                "token per forward, the reference; self_spec: ar's output (greedy: token for token; sampling: the "
-                "same distribution), several tokens per forward",
-    "draft_threshold": "self_spec: how confident a block position must be to be drafted (0: every position, "
-                       "1: none)",
-}
+# Accepted values of each ranged field (SERVING.md 5): the table's, OpenAI's where narrower for OpenAI's fields.
+RANGES: dict[str, Range | Choice] = {**{p.openai: p.openai_accepts or p.accepts for p in BODY_PARAMETERS},
+                                     **{name: own[0] for name, own in OWN_FIELDS.items()}}
+NOTES = {"temperature": "0, or anything below 1e-5, is greedy"}  # where the server differs from the table's help
 
 
 def describe(rng: Range | Choice) -> str:
@@ -277,9 +238,12 @@ def ranged(name: str):
 
 def ranges_markdown() -> str:
     """RANGES as the markdown table of docs/serving.md (a test keeps the two equal)."""
-    rows = ["| parameter | accepted values | note |", "|---|---|---|"]
-    for name, rng in RANGES.items():
-        rows.append(f"| `{name}` | {describe(rng)}, or null | {NOTES.get(name, '')} |")
+    rows = ["| parameter | accepted values | default | note |", "|---|---|---|---|"]
+    for p in BODY_PARAMETERS:
+        rows.append(f"| `{p.openai}` | {describe(RANGES[p.openai])}, or null | {json.dumps(p.default)} | "
+                    f"{NOTES.get(p.openai, p.help)} |")
+    for name, (rng, default, note) in OWN_FIELDS.items():
+        rows.append(f"| `{name}` | {describe(rng)}, or null | {default} | {note} |")
     return "\n".join(rows)
 
 
@@ -298,22 +262,22 @@ class ChatTemplateKwargs(BaseModel):
     enable_thinking: bool | None = None
 
 
-class CommonParams(BaseModel):
-    """Parameters of both endpoints; None (or null) means the model's generation_config.json default."""
-
+class Strict(BaseModel):
     model_config = STRICT
 
+
+# One field per BODY_PARAMETERS entry: its kind strictly, null (the model's default) and its accepted values.
+TableParams = create_model("TableParams", __base__=Strict, __module__=__name__,
+                           **{p.openai: (ranged(p.openai), None) for p in BODY_PARAMETERS})
+
+
+class CommonParams(TableParams):
+    """Parameters of both endpoints: the table's (TableParams) and OpenAI's others; None (or null) means the
+    model's generation_config.json default."""
+
     model: str | None = None
-    max_tokens: ranged("max_tokens") = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    temperature: ranged("temperature") = None
-    top_p: ranged("top_p") = None
-    top_k: ranged("top_k") = None
-    seed: ranged("seed") = None
     n: ranged("n") = None
-    presence_penalty: ranged("presence_penalty") = None
-    frequency_penalty: ranged("frequency_penalty") = None
-    repetition_penalty: ranged("repetition_penalty") = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # refused unless empty
@@ -323,20 +287,7 @@ class CommonParams(BaseModel):
     service_tier: str | None = None
     metadata: dict[Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY)],
                    Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)]] | None = None  # keys: check_counts
-    # vLLM's extras
-    min_tokens: ranged("min_tokens") = None
-    ignore_eos: ranged("ignore_eos") = None
-    # Clover's own knobs (generation-config names, DECODING.md 3)
-    block_size: ranged("block_size") = None
-    decoding: ranged("decoding") = None
-    draft_threshold: ranged("draft_threshold") = None
-    threshold: ranged("threshold") = None
-    dllm_length_penalty: ranged("dllm_length_penalty") = None
-    dllm_length_penalty_start: ranged("dllm_length_penalty_start") = None
-    dllm_length_penalty_window: ranged("dllm_length_penalty_window") = None
-    dllm_think_end_bias: ranged("dllm_think_end_bias") = None
-    dllm_think_end_start: ranged("dllm_think_end_start") = None
-    dllm_think_end_window: ranged("dllm_think_end_window") = None
+    block_size: ranged("block_size") = None  # Clover's: fixed by the engine
 
 
 class Message(BaseModel):

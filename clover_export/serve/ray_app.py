@@ -20,10 +20,10 @@ import threading
 from typing import Any
 
 from clover_export.artifact.manifest import is_artifact, load_artifact
-from clover_export.backends import default_backend
 from clover_export.core.config import load_config
 from clover_export.core.errors import CloverError
 from clover_export.model.loading import resolve_model_dir
+from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 
 DEPLOYMENT_NAME = "CloverServer"
@@ -88,8 +88,11 @@ def check_engine(app) -> None:
 
 
 def app_builder(args: dict[str, Any]):
-    """`serve run` entry point: args are ServeOptions fields (strings from the command line are converted)."""
-    fields = {f.name: f for f in dataclasses.fields(ServeOptions)}
+    """`serve run` entry point: args are ServeOptions fields and the runtime's (RuntimeConfig fields; `max_batch`,
+    as the command's --max-batch, is its max_slots); strings from the command line are converted."""
+    args = {("max_slots" if name == "max_batch" else name): value for name, value in args.items()}
+    runtime_fields = {f.name: f for f in dataclasses.fields(RuntimeConfig)}
+    fields = {f.name: f for f in dataclasses.fields(ServeOptions) if f.name != "runtime"} | runtime_fields
     unknown = set(args) - set(fields) - {"replicas", "num_gpus"}
     if unknown:
         raise CloverError("serve", f"unknown argument(s) {sorted(unknown)}; known: {sorted(fields)}")
@@ -100,7 +103,8 @@ def app_builder(args: dict[str, Any]):
             value = int(value) if kind == "int" else float(value)
         kw[name] = value
     replicas, num_gpus = kw.pop("replicas", None), kw.pop("num_gpus", None)
-    return deployment(ServeOptions(**kw), int(replicas) if replicas else None,
+    runtime = RuntimeConfig.of(ServeOptions().runtime, **{k: kw.pop(k) for k in list(kw) if k in runtime_fields})
+    return deployment(ServeOptions(runtime=runtime, **kw), int(replicas) if replicas else None,
                       float(num_gpus) if num_gpus is not None else None)
 
 
@@ -109,7 +113,7 @@ def check_replicas(opts: ServeOptions) -> None:
     model folder) or manifest (an artifact) readable, so a wrong path is one line rather than replicas that
     fail behind Ray Serve's "ASGI lifespan startup failed"."""
     _ray()
-    if (opts.backend or default_backend(opts.model, opts.device)) == "trt":
+    if opts.runtime.backend_for(opts.model) == "trt":
         return  # an engine: the replicas' own load checks it
     if is_artifact(opts.model):
         load_artifact(opts.model)

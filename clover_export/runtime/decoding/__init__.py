@@ -3,6 +3,7 @@ runtime, the CLI and the server take (docs/runtime.md "Decoding strategies")."""
 
 from __future__ import annotations
 
+from clover_export.core import generation
 from clover_export.core.errors import CloverError
 from clover_export.runtime.decoding.ar import Ar
 from clover_export.runtime.decoding.base import Strategy
@@ -12,6 +13,7 @@ from clover_export.runtime.decoding.self_spec import SelfSpec
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (LowConfidence(), Ar(), SelfSpec())}
 MODES = tuple(STRATEGIES)
 DEFAULT = LowConfidence.name
+generation.register_decoding_modes(MODES)  # the request parameter table's accepted values (core.generation)
 
 
 def strategy(name: str) -> Strategy:
