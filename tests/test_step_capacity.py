@@ -110,5 +110,5 @@ def test_in_place_step_equals_the_functional_contract(tiny_model):
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(res.causal_logits, ref.causal_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(coreset, ref_coreset)
-    for k in ref_pools:
-        torch.testing.assert_close(new_pools[k], ref_pools[k], rtol=1e-6, atol=1e-6)
+    for k in ref_pools:  # the gathered MoE sums the experts in another order: fp32 rounding, as the logits
+        torch.testing.assert_close(new_pools[k], ref_pools[k], rtol=1e-5, atol=1e-5)

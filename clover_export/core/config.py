@@ -16,6 +16,7 @@ from typing import Any
 
 from clover_export.core import assumed
 from clover_export.core.errors import CloverError
+from clover_export.core.json_file import read_json
 
 MODEL_TYPES = ("clover_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -212,18 +213,6 @@ def validate(cfg: CloverConfig) -> CloverConfig:
     if cfg.tie_word_embeddings:
         raise bad("tie_word_embeddings", "is true; Clover and Qwen3.5-MoE use an untied lm_head")
     return cfg
-
-
-def read_json(path: Path, component: str) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CloverError(component, f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CloverError(component, f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CloverError(component, f"{path}: expected a JSON object")
-    return data
 
 
 def load_config(model_dir: str | Path) -> CloverConfig:

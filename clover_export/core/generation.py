@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clover_export.core.config import read_json
 from clover_export.core.errors import CloverError
+from clover_export.core.json_file import read_json
 
 DRAFT_THRESHOLD = 0.5  # self_spec's default draft confidence (bench/self_spec.py measures the choice)
 
