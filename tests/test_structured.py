@@ -9,6 +9,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from clover_export.constraints import compile as compile_grammar
 from clover_export.runtime import Generator
@@ -90,3 +91,17 @@ def test_a_grammar_of_another_vocabulary_or_ignore_eos_is_refused(gen, tiny_dir)
         gen.submit("x", grammar=other)
     with pytest.raises(CloverError, match="ignore_eos"):
         gen.submit("x", grammar=compile_grammar({"type": "json_object"}, gen.grammar_vocab()), ignore_eos=True)
+
+
+def test_a_draft_is_cut_after_the_end_token_and_the_state_kept(gen):
+    """A block drafts on past the end of the grammar (end tokens again and again): the draft keeps nothing
+    after the first end token, and the matcher is where it was (it cannot be rolled back past its stop)."""
+    from clover_export.runtime.decoding.grammar import RequestGrammar, allowed_prefix, mask_block
+
+    g = RequestGrammar.start(compile_grammar({"type": "json_object"}, gen.grammar_vocab()), gen.block_size)
+    body = gen.tokenizer.encode('{"a":1}', add_special_tokens=False)
+    end = min(gen.grammar_vocab().end_ids)
+    assert allowed_prefix(g, body + [end, end, end]) in (body, body + [end])  # complete after "}": it may stop
+    logits = torch.zeros(gen.block_size, gen.cfg.vocab_size)
+    mask_block(g, body + [end], logits)
+    assert g.matcher.allowed(body[0]) and not g.matcher.allowed(end)  # still at the start

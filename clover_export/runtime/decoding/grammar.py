@@ -63,8 +63,8 @@ def mask_block(g: RequestGrammar, draft: list[int], block_logits: torch.Tensor) 
 def allowed_prefix(g: RequestGrammar, draft: list[int]) -> list[int]:
     """The longest prefix of `draft` the grammar allows after the committed response."""
     m, n = g.matcher, 0
-    for token in draft:
-        if not m.allowed(token) or not m.accept(token):
+    for token in draft:  # nothing follows the end token: a stopped matcher's mask is not to be trusted
+        if m.is_terminated() or not m.allowed(token) or not m.accept(token):
             break
         n += 1
     m.rollback(n)

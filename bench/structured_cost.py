@@ -1,0 +1,101 @@
+"""Structured output end to end on the embedded default (torch, CPU): what a grammar costs per decoding step,
+and what it does to self_spec's tokens per forward (docs/structured_output.md, bench/README.md).
+
+    python bench/structured_cost.py [--batch 8] [--tokens 48] [--repeats 3] [--json out.json]
+
+1. Per-step cost: the same batch of requests with and without a grammar, every row running to `--tokens`
+   (the grammar: an object holding an array of at least 60 digits, which cannot close before then; without:
+   `ignore_eos`), so both runs step the same number of full batches. The ratio is ms per step with / without,
+   medians over `--repeats` alternating runs, for `ar` and `self_spec`.
+2. self_spec tokens per forward on the same prompts, greedy: free text, and under a nested JSON schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from clover_export.constraints import compile as compile_grammar
+from clover_export.runtime import Generator
+
+PROMPTS = ["sort: 5 3 9 1 7 2", "reverse: 1 2 3 4 5", "sort: 9 8 7 1 1 4 4 2", "reverse: 7 7 1 0 3",
+           "sort: 4 2 6", "reverse: 9 0 1 2", "sort: 8 1 5 5 3 2 7", "reverse: 6 5 4"]
+LONG = {"type": "json_schema", "json_schema": {"name": "digits", "schema": {
+    "type": "object", "properties": {"digits": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}, "minItems": 60}},
+    "required": ["digits"], "additionalProperties": False}}}
+NESTED = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"task": {"enum": ["sort", "reverse"]},
+                                     "digits": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 9}, "maxItems": 10},
+                                     "note": {"type": "string", "maxLength": 24}},
+    "required": ["task", "digits", "note"], "additionalProperties": False}}}
+
+
+def ms_per_step(gen: Generator, prompts: list[str], grammar, **params) -> tuple[float, int]:
+    """Wall ms per `gen.step()` while every request of the batch runs, and the step count."""
+    handles = [gen.submit(p, grammar=grammar, **params) if grammar is not None else
+               gen.submit(p, ignore_eos=True, **params) for p in prompts]
+    steps, start = 0, time.perf_counter()
+    while not all(h.done for h in handles):
+        gen.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    assert all(len(h.wait().token_ids) == params["max_new_tokens"] for h in handles), "a row ended early"
+    return 1000 * elapsed / steps, steps
+
+
+def step_cost(gen: Generator, args, mode: str) -> dict:
+    grammar = compile_grammar(LONG, gen.grammar_vocab())
+    prompts = (PROMPTS * 4)[:args.batch]
+    params = dict(decoding=mode, max_new_tokens=args.tokens, enable_thinking=False)
+    ms_per_step(gen, prompts, grammar, **params)  # warm-up
+    with_g, without = [], []
+    for _ in range(args.repeats):
+        without.append(ms_per_step(gen, prompts, None, **params))
+        with_g.append(ms_per_step(gen, prompts, grammar, **params))
+    a, b = statistics.median(m for m, _ in with_g), statistics.median(m for m, _ in without)
+    return {"mode": mode, "batch": args.batch, "ms_per_step_grammar": round(a, 3), "ms_per_step_free": round(b, 3),
+            "ratio": round(a / b, 3), "steps_grammar": with_g[0][1], "steps_free": without[0][1]}
+
+
+def tokens_per_forward(gen: Generator, args) -> dict:
+    grammar = compile_grammar(NESTED, gen.grammar_vocab())
+    out = {}
+    for label, g in (("free", None), ("json_schema", grammar)):
+        results = [gen.generate(p, decoding="self_spec", grammar=g, max_new_tokens=args.tokens * 2,
+                                enable_thinking=False) for p in PROMPTS]
+        tokens, forwards = sum(len(r.token_ids) for r in results), sum(r.forwards for r in results)
+        out[label] = {"tokens": tokens, "forwards": forwards, "tokens_per_forward": round(tokens / forwards, 3)}
+    out["ratio"] = round(out["json_schema"]["tokens_per_forward"] / out["free"]["tokens_per_forward"], 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    gen = Generator.load(None, "torch", dtype="fp32", max_slots=args.batch, prefix_cache=False)
+    report = {"steps": [step_cost(gen, args, m) for m in ("ar", "self_spec")],
+              "self_spec": tokens_per_forward(gen, args)}
+    print(f"{'mode':10} {'batch':>5} {'ms/step free':>13} {'ms/step grammar':>16} {'ratio':>6}")
+    for s in report["steps"]:
+        print(f"{s['mode']:10} {s['batch']:>5} {s['ms_per_step_free']:>13.2f} {s['ms_per_step_grammar']:>16.2f} "
+              f"{s['ratio']:>6.3f}")
+    t = report["self_spec"]
+    print(f"self_spec tokens/forward: free {t['free']['tokens_per_forward']:.3f}, json_schema "
+          f"{t['json_schema']['tokens_per_forward']:.3f} (ratio {t['ratio']:.3f})")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
