@@ -279,6 +279,8 @@ HOSTILE_MESSAGES = {
                     "tools[0].type"),
     "two-tools-of-one-name": ({"tools": [SORT_TOOL, SORT_TOOL]}, "tools[1].name"),
     "over-the-context": ({"max_tokens": 10 ** 6}, None),
+    "schema-that-does-not-compile": ({"output_config": {"format": {"type": "json_schema", "schema": {
+        "type": "string", "format": "nope"}}}}, "output_config.format.schema"),
 }
 
 
@@ -436,8 +438,8 @@ def test_a_named_function_is_a_function_call_item_and_its_output_round_trips(ser
 @pytest.mark.parametrize("change,param,says", [
     ({"store": True}, "store", "keeps no responses"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format",
-     "not supported"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "format": "nope"}}}},
+     "text.format.schema", "'text.format.schema'"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'tools[0].type'"),
     ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", '"nope"'),
     ({"tools": FUNCTIONS[:1] * 2}, "tools[1].name", "'tools[1].name' repeats"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -82,3 +83,17 @@ def test_a_forced_call_has_arguments_valid_against_the_schema(client, choice):
     if isinstance(choice, dict):
         assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_the_doors_structured_formats_take_the_same_path(client):
+    """Responses' `text.format` and Anthropic's `output_config.format` (json_schema) give JSON valid against
+    the schema."""
+    fmt = {"type": "json_schema", "name": "w", "schema": WEATHER}
+    answer = client.responses.create(model="clover-tiny", input="weather?", text={"format": fmt},
+                                     max_output_tokens=300)
+    jsonschema.validate(json.loads(answer.output_text), WEATHER)
+    body = {"model": "clover-tiny", "max_tokens": 300, "messages": [{"role": "user", "content": "weather?"}],
+            "output_config": {"format": {"type": "json_schema", "schema": WEATHER}}}
+    r = httpx.post(str(client.base_url).removesuffix("/v1/") + "/v1/messages", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["content"][0]["text"]), WEATHER)
