@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from clover_export.runtime.decoding import grammar
 from clover_export.runtime.decoding.base import DeviceWork, Phase, RowOutput, Rows, Strategy, Verdict
+from clover_export.runtime.decoding.grammar import allowed_prefix, commit, mask_logit_rows
 
 
 @dataclass
@@ -94,18 +94,18 @@ class Ar(Strategy):
         self._count(req, v)
         req.phase = Phase.SPEC
         if req.grammar is not None:
-            grammar.commit(req.grammar, new)
+            commit(req.grammar, new)
         if req.append(new):
             books.finish(req)
             return True
         st.draft = v.draft[:draft_room(req)] if full else []
         if req.grammar is not None:  # a draft never holds a token the grammar refuses
-            st.draft = grammar.allowed_prefix(req.grammar, st.draft)
+            st.draft = allowed_prefix(req.grammar, st.draft)
         return True
 
     def mask_logits(self, req, block_logits, causal_logits) -> None:
         if req.grammar is not None:
-            grammar.mask_logit_rows(req.grammar, req.state.draft, causal_logits)
+            mask_logit_rows(req.grammar, req.state.draft, causal_logits)
 
     @staticmethod
     def _count(req, v: Verdict) -> None:

@@ -5,9 +5,9 @@ token equals the block's position 0)."""
 
 from __future__ import annotations
 
-from clover_export.runtime.decoding import grammar
 from clover_export.runtime.decoding.ar import Ar
 from clover_export.runtime.decoding.base import DeviceWork, RowOutput, Rows
+from clover_export.runtime.decoding.grammar import mask_block
 
 
 class SelfSpec(Ar):
@@ -23,7 +23,7 @@ class SelfSpec(Ar):
         """The logit rows as `ar`'s; the block (the next draft) walked position by position under the grammar."""
         super().mask_logits(req, block_logits, causal_logits)
         if req.grammar is not None:
-            grammar.mask_block(req.grammar, req.state.draft, block_logits)
+            mask_block(req.grammar, req.state.draft, block_logits)
 
     def next_draft(self, out: RowOutput, rows: Rows, accepted: int, bonus: int) -> list[int]:
         if rows.block is None or accepted != len(rows.draft) or out.tokens[0] != bonus:
