@@ -5,8 +5,9 @@ and what it does to self_spec's tokens per forward (docs/structured_output.md, b
 
 1. Per-step cost: the same batch of requests with and without a grammar, every row running to `--tokens`
    (the grammar: an object holding an array of at least 60 digits, which cannot close before then; without:
-   `ignore_eos`), so both runs step the same number of full batches. The ratio is ms per step with / without,
-   medians over `--repeats` alternating runs, for `ar` and `self_spec`.
+   `ignore_eos`), so both runs step the same number of full batches. The ratio is CPU ms per step with /
+   without (process CPU time: on a shared machine wall time measures the neighbours), medians over
+   `--repeats` alternating runs, for `ar` and `self_spec`; and the CPU ms of the grammar's logit hooks alone.
 2. self_spec tokens per forward on the same prompts, greedy: free text, and under a nested JSON schema.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from clover_export.constraints import compile as compile_grammar
 from clover_export.runtime import Generator
+from clover_export.runtime.decoding import device
 
 PROMPTS = ["sort: 5 3 9 1 7 2", "reverse: 1 2 3 4 5", "sort: 9 8 7 1 1 4 4 2", "reverse: 7 7 1 0 3",
            "sort: 4 2 6", "reverse: 9 0 1 2", "sort: 8 1 5 5 3 2 7", "reverse: 6 5 4"]
@@ -36,17 +38,33 @@ NESTED = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "required": ["task", "digits", "note"], "additionalProperties": False}}}
 
 
-def ms_per_step(gen: Generator, prompts: list[str], grammar, **params) -> tuple[float, int]:
-    """Wall ms per `gen.step()` while every request of the batch runs, and the step count."""
+HOOK_CPU = [0.0]  # CPU seconds inside the strategies' logit hooks (the grammar's masks)
+
+
+def timed_hooks() -> None:
+    """Count the CPU time of `device.apply_logit_hooks` (where the grammar's work on a step is)."""
+    inner = device.apply_logit_hooks
+
+    def hooks(step):
+        start = time.process_time()
+        inner(step)
+        HOOK_CPU[0] += time.process_time() - start
+
+    device.apply_logit_hooks = hooks
+
+
+def ms_per_step(gen: Generator, prompts: list[str], grammar, **params) -> tuple[float, int, float]:
+    """CPU ms per `gen.step()` while every request of the batch runs (CPU time: the machine is shared, so wall
+    time measures the neighbours), the step count and the hooks' CPU ms per step."""
     handles = [gen.submit(p, grammar=grammar, **params) if grammar is not None else
                gen.submit(p, ignore_eos=True, **params) for p in prompts]
-    steps, start = 0, time.perf_counter()
+    steps, start, HOOK_CPU[0] = 0, time.process_time(), 0.0
     while not all(h.done for h in handles):
         gen.step()
         steps += 1
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert all(len(h.wait().token_ids) == params["max_new_tokens"] for h in handles), "a row ended early"
-    return 1000 * elapsed / steps, steps
+    return 1000 * elapsed / steps, steps, 1000 * HOOK_CPU[0] / steps
 
 
 def step_cost(gen: Generator, args, mode: str) -> dict:
@@ -58,9 +76,12 @@ def step_cost(gen: Generator, args, mode: str) -> dict:
     for _ in range(args.repeats):
         without.append(ms_per_step(gen, prompts, None, **params))
         with_g.append(ms_per_step(gen, prompts, grammar, **params))
-    a, b = statistics.median(m for m, _ in with_g), statistics.median(m for m, _ in without)
-    return {"mode": mode, "batch": args.batch, "ms_per_step_grammar": round(a, 3), "ms_per_step_free": round(b, 3),
-            "ratio": round(a / b, 3), "steps_grammar": with_g[0][1], "steps_free": without[0][1]}
+    a, b = statistics.median(m[0] for m in with_g), statistics.median(m[0] for m in without)
+    hook = statistics.median(m[2] for m in with_g)
+    return {"mode": mode, "batch": args.batch, "cpu_ms_per_step_grammar": round(a, 3),
+            "cpu_ms_per_step_free": round(b, 3), "ratio": round(a / b, 3),
+            "grammar_hook_cpu_ms_per_step": round(hook, 3),
+            "hook_share": round(hook / a, 3), "steps_grammar": with_g[0][1], "steps_free": without[0][1]}
 
 
 def tokens_per_forward(gen: Generator, args) -> dict:
@@ -83,12 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     gen = Generator.load(None, "torch", dtype="fp32", max_slots=args.batch, prefix_cache=False)
+    timed_hooks()
     report = {"steps": [step_cost(gen, args, m) for m in ("ar", "self_spec")],
               "self_spec": tokens_per_forward(gen, args)}
-    print(f"{'mode':10} {'batch':>5} {'ms/step free':>13} {'ms/step grammar':>16} {'ratio':>6}")
+    print(f"{'mode':10} {'batch':>5} {'CPU ms/step free':>17} {'with grammar':>13} {'ratio':>6} "
+          f"{'of it, masks':>13} {'share':>6}")
     for s in report["steps"]:
-        print(f"{s['mode']:10} {s['batch']:>5} {s['ms_per_step_free']:>13.2f} {s['ms_per_step_grammar']:>16.2f} "
-              f"{s['ratio']:>6.3f}")
+        print(f"{s['mode']:10} {s['batch']:>5} {s['cpu_ms_per_step_free']:>17.2f} "
+              f"{s['cpu_ms_per_step_grammar']:>13.2f} "
+              f"{s['ratio']:>6.3f} {s['grammar_hook_cpu_ms_per_step']:>13.2f} {s['hook_share']:>6.3f}")
     t = report["self_spec"]
     print(f"self_spec tokens/forward: free {t['free']['tokens_per_forward']:.3f}, json_schema "
           f"{t['json_schema']['tokens_per_forward']:.3f} (ratio {t['ratio']:.3f})")
