@@ -7,7 +7,8 @@ and what it does to self_spec's tokens per forward (docs/structured_output.md, b
    (the grammar: an object holding an array of at least 60 digits, which cannot close before then; without:
    `ignore_eos`), so both runs step the same number of full batches. The ratio is CPU ms per step with /
    without (process CPU time: on a shared machine wall time measures the neighbours), medians over
-   `--repeats` alternating runs, for `ar` and `self_spec`; and the CPU ms of the grammar's logit hooks alone.
+   `--repeats` alternating runs, for `ar` and `self_spec`; the CPU ms of the grammar's logit hooks alone; and
+   the ratio per generated token (self_spec: the grammar changes the drafts, so the steps and their rows differ).
 2. self_spec tokens per forward on the same prompts, greedy: free text, and under a nested JSON schema.
 """
 
@@ -81,7 +82,8 @@ def step_cost(gen: Generator, args, mode: str) -> dict:
     return {"mode": mode, "batch": args.batch, "cpu_ms_per_step_grammar": round(a, 3),
             "cpu_ms_per_step_free": round(b, 3), "ratio": round(a / b, 3),
             "grammar_hook_cpu_ms_per_step": round(hook, 3),
-            "hook_share": round(hook / a, 3), "steps_grammar": with_g[0][1], "steps_free": without[0][1]}
+            "hook_share": round(hook / a, 3), "steps_grammar": with_g[0][1], "steps_free": without[0][1],
+            "cpu_ms_per_token_ratio": round(a * with_g[0][1] / (b * without[0][1]), 3)}
 
 
 def tokens_per_forward(gen: Generator, args) -> dict:
@@ -108,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     report = {"steps": [step_cost(gen, args, m) for m in ("ar", "self_spec")],
               "self_spec": tokens_per_forward(gen, args)}
     print(f"{'mode':10} {'batch':>5} {'CPU ms/step free':>17} {'with grammar':>13} {'ratio':>6} "
-          f"{'of it, masks':>13} {'share':>6}")
+          f"{'of it, masks':>13} {'share':>6} {'per token':>9}")
     for s in report["steps"]:
         print(f"{s['mode']:10} {s['batch']:>5} {s['cpu_ms_per_step_free']:>17.2f} "
               f"{s['cpu_ms_per_step_grammar']:>13.2f} "
-              f"{s['ratio']:>6.3f} {s['grammar_hook_cpu_ms_per_step']:>13.2f} {s['hook_share']:>6.3f}")
+              f"{s['ratio']:>6.3f} {s['grammar_hook_cpu_ms_per_step']:>13.2f} {s['hook_share']:>6.3f} "
+              f"{s['cpu_ms_per_token_ratio']:>9.3f}")
     t = report["self_spec"]
     print(f"self_spec tokens/forward: free {t['free']['tokens_per_forward']:.3f}, json_schema "
           f"{t['json_schema']['tokens_per_forward']:.3f} (ratio {t['ratio']:.3f})")
