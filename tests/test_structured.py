@@ -105,3 +105,14 @@ def test_a_draft_is_cut_after_the_end_token_and_the_state_kept(gen):
     logits = torch.zeros(gen.block_size, gen.cfg.vocab_size)
     mask_block(g, body + [end], logits)
     assert g.matcher.allowed(body[0]) and not g.matcher.allowed(end)  # still at the start
+
+
+@pytest.mark.parametrize("mode", ["ar", "self_spec"])
+def test_sampled_requests_under_a_schema_give_valid_json(gen, mode):
+    """Sampling draws from the masked distributions (self_spec: speculative sampling against them)."""
+    grammar = compile_grammar(SPEC, gen.grammar_vocab())
+    for seed in range(3):
+        r = gen.generate(PROMPTS[seed], decoding=mode, grammar=grammar, max_new_tokens=160, temperature=1.0,
+                         do_sample=True, seed=seed, draft_threshold=0.0)
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), SCHEMA)
