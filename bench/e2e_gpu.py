@@ -335,7 +335,7 @@ def main(argv=None):
             inputs = step_inputs(cfg, B, 0, N, past, device)
             kern = timed(lambda: blk._run(inputs, pools), device, max(1, reps // 4))
             saved = model.cores
-            model.cores = in_place_cores(Cores(), past + N, device)  # the torch backend's cores: plain torch, pools by slot
+            model.cores = in_place_cores(Cores(), past + N, device)  # the torch backend's cores, pools by slot
             try:
                 with torch.inference_mode():
                     ref = timed(lambda: model.step(inputs, pools), device, 1 if B >= 64 or dry else 2)

@@ -381,7 +381,9 @@ BAD_REQUESTS = [
     ({**CHAT, "block_size": 8}, "block_size", None),
     ({**CHAT, "n": 2}, "n", None),
     ({**CHAT, "logprobs": True}, "logprobs", None),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", None),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "format": "no-such-format"}}}}, "response_format.json_schema.schema",
+     None),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
       "chat_template_kwargs": {"enable_thinking": True}}, "tool_choice", None),
     ({**CHAT, "messages": []}, "messages", None),

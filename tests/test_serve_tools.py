@@ -74,9 +74,9 @@ def reference_tokenizer(tiny_dir):
     return transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
 
 
-def reference_ids(reference_tokenizer, messages, opening=""):
+def reference_ids(reference_tokenizer, messages, opening="", tools=TOOLS):
     """The prompt's token ids as transformers renders the conversation (thinking off), an opening after it."""
-    text = reference_tokenizer.apply_chat_template(as_template_sees_it(messages), tools=TOOLS, tokenize=False,
+    text = reference_tokenizer.apply_chat_template(as_template_sees_it(messages), tools=tools, tokenize=False,
                                                    add_generation_prompt=True, enable_thinking=False)
     return reference_tokenizer(text + opening, add_special_tokens=False)["input_ids"]
 
@@ -107,14 +107,15 @@ def stream_final(client, **kw):
 
 
 def test_a_named_tool_choice_opens_the_call_on_the_real_model(client, reference_tokenizer):
-    """tool_choice naming a function: the assistant's turn opens with `<tool_call>\\n<function=NAME>\\n`
-    (in the prompt: transformers' rendering plus that opening), and the answer is a call of that function,
-    whatever the untrained weights write after it; streamed, the same call."""
-    kw = dict(model="clover-tiny", messages=HISTORY, tools=TOOLS, max_tokens=24, temperature=0,
+    """tool_choice naming a function (the model's XML format): the answer is a call of that function under a
+    grammar (the prompt: transformers' rendering, no opening written by the server), whatever the untrained
+    weights; streamed, the same call."""
+    bounded = json.loads(json.dumps(TOOLS))  # a bounded city: the untrained weights may write on and on
+    bounded[0]["function"]["parameters"]["properties"]["city"]["maxLength"] = 20
+    kw = dict(model="clover-tiny", messages=HISTORY, tools=bounded, max_tokens=300, temperature=0,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     out = client.chat.completions.create(**kw)
-    opening = "<tool_call>\n<function=get_weather>\n"
-    assert out.usage.prompt_tokens == len(reference_ids(reference_tokenizer, HISTORY, opening))
+    assert out.usage.prompt_tokens == len(reference_ids(reference_tokenizer, HISTORY, tools=bounded))
     (call,) = out.choices[0].message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert isinstance(json.loads(call.function.arguments), dict)

@@ -47,6 +47,7 @@ from clover_export.core.generation import GenerationSettings, load_generation_se
 from clover_export.model.tokenizer import ChatTokenizer
 from clover_export.runtime import decoding
 from clover_export.runtime.config import RuntimeConfig
+from clover_export.runtime.decoding.grammar import RequestGrammar
 from clover_export.runtime.loop import BlockEvent, Loop
 from clover_export.runtime.output import Result, StreamChunk, TextTracker
 from clover_export.runtime.prefix_cache import DEFAULT_BUDGET_GB, PrefixCache
@@ -191,6 +192,8 @@ class Generator:
                               config.early_stop, shapes=getattr(backend, "step_shapes", None), cache=self.prefix_cache)
         self.loop = Loop(scheduler, self.runner)
         self.handles: dict[int, Stream] = {}
+        self.source_dir = source_dir
+        self._grammar_vocab = None
 
     @classmethod
     def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
@@ -220,6 +223,28 @@ class Generator:
         decoding.strategy(settings.decoding)  # a registered mode
         return settings
 
+    def grammar_vocab(self):
+        """The vocabulary grammars for this model are compiled for (`constraints.compile(spec, vocab)`): its
+        tokenizer, the logits' width, the end tokens of a request that keeps the default `eos_token_id`."""
+        if self._grammar_vocab is None:
+            from clover_export.constraints import tokenizer_info
+
+            end_ids = sorted(frozenset(self.defaults.eos_token_id) | self.extra_end_ids)
+            self._grammar_vocab = tokenizer_info(self.source_dir, self.cfg.vocab_size, end_ids)
+        return self._grammar_vocab
+
+    def constrained(self, settings: GenerationSettings, grammar: Any) -> GenerationSettings:
+        """A constrained request's settings: `low_confidence` runs as `self_spec` (a left-to-right grammar
+        cannot mask positions filled out of order), thinking off (the grammar is the whole answer); a
+        grammar of another vocabulary, or `ignore_eos` (the grammar ends with an end token), is refused."""
+        if grammar.vocab is not self.grammar_vocab():
+            raise CloverError("generate", "parameter 'grammar' was not compiled for this model's grammar_vocab()")
+        if settings.ignore_eos:
+            raise CloverError("generate", "parameter 'ignore_eos' cannot be true with a grammar: the grammar's "
+                                          "output ends with an end token")
+        mode = decoding.strategy(settings.decoding).grammar_mode
+        return dataclasses.replace(settings, decoding=mode, enable_thinking=False)
+
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
                    prompt_ids: list[int] | None = None, raw: bool = False, enable_thinking: bool = True) -> list[int]:
         given = [x is not None for x in (prompt, messages, prompt_ids)]
@@ -245,9 +270,13 @@ class Generator:
         return ids
 
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-               prompt_ids: list[int] | None = None, raw: bool = False, **params: Any) -> Stream:
-        """Queue one request (checked up front, no compute yet); returns its handle."""
+               prompt_ids: list[int] | None = None, raw: bool = False, grammar: Any = None,
+               **params: Any) -> Stream:
+        """Queue one request (checked up front, no compute yet); returns its handle. `grammar`: a compiled
+        `constraints.Grammar` (for `grammar_vocab()`) the response keeps to (docs/structured_output.md)."""
         settings = self.settings(**params)
+        if grammar is not None:
+            settings = self.constrained(settings, grammar)
         ids = self.prompt_ids(prompt, messages, prompt_ids, raw, settings.enable_thinking)
         strategy = decoding.strategy(settings.decoding)
         alignment = strategy.alignment(self.cfg.block_alignment)
@@ -261,6 +290,8 @@ class Generator:
         end_ids = frozenset() if settings.ignore_eos else frozenset(settings.eos_token_id) | self.extra_end_ids
         req = Request(ids, settings.max_new_tokens, end_ids, self.block_size, self.mask_id,
                       alignment, params=settings, strategy=strategy)
+        if grammar is not None:
+            req.grammar = RequestGrammar.start(grammar, self.block_size)
         hidden = frozenset(settings.eos_token_id) | self.extra_end_ids if settings.ignore_eos else frozenset()
         handle = Stream(self, req, TextTracker(self.tokenizer.decode, end_ids, settings.stop, hidden))
         self.loop.add(req)

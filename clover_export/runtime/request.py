@@ -51,6 +51,7 @@ class Request:
     # the decoding mode (runtime/decoding/) and its per-request state (`Strategy.new_state`)
     strategy: Strategy = field(default_factory=lambda: decoding.strategy(decoding.DEFAULT))
     state: Any = None
+    grammar: Any = None  # decoding/grammar.RequestGrammar of a constrained request (ar / self_spec)
 
     # --- counters (DECODING.md 4 report) ------------------------------------
     denoise_steps: int = 0

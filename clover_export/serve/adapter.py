@@ -57,6 +57,7 @@ class Submission:
     logit_bias: dict[str, float] | None = None  # checked against the vocabulary by prepare
     decoding: str | None = None  # the decoding mode it runs with (the request's or the model's default), set by prepare
     tools: ToolUse | None = None  # chat with tools: shown to the template, calls read from the answer
+    grammar_spec: dict[str, Any] | None = None  # constraints' spec the answer keeps to, compiled by prepare
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,9 +90,12 @@ def chat_submission(req: ChatRequest, default_thinking: bool,
         raise refuse("logprobs", "is not supported")
     if req.top_logprobs is not None:
         raise refuse("top_logprobs", "is not supported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise refuse("response_format", "must be {\"type\": \"text\"}")
+    spec = _response_format(req.response_format)
     tools = _tool_use(req, tool_parser)
+    if tools is not None and tools.forced is not None and tools.parser is tool_calls.XmlToolCalls:
+        if spec is not None:
+            raise refuse("response_format", "cannot be combined with a tool_choice that forces a call")
+        spec, tools.constrained = tools.grammar_spec(), True
     kw = _sampling(req)
     if req.max_completion_tokens is not None:
         kw["max_new_tokens"] = req.max_completion_tokens
@@ -103,9 +107,21 @@ def chat_submission(req: ChatRequest, default_thinking: bool,
             raise refuse("tool_choice", "forces a call, which opens the assistant's turn, so it cannot be combined "
                                         "with enable_thinking: true (that needs constrained decoding)")
         thinking = kw["enable_thinking"] = False
+    if spec is not None:  # the grammar is the whole answer: no reasoning before it (docs/structured_output.md)
+        if req.chat_template_kwargs and req.chat_template_kwargs.enable_thinking:
+            raise refuse("response_format", "cannot be combined with enable_thinking: true (the grammar applies "
+                                            "to the whole answer)")
+        thinking = kw["enable_thinking"] = False
     messages = [_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
     return Submission(_drop_none(kw), chat=True, thinking=thinking, messages=messages, stream=bool(req.stream),
-                      include_usage=_include_usage(req), logit_bias=req.logit_bias, tools=tools)
+                      include_usage=_include_usage(req), logit_bias=req.logit_bias, tools=tools,
+                      grammar_spec=spec)
+
+
+def _response_format(given: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The constraints spec of `response_format` (None: plain text): the object itself, checked (a 400 naming
+    the field) when `prepare` compiles it (docs/structured_output.md, Specs)."""
+    return None if (given or {}).get("type", "text") == "text" else given
 
 
 def _tool_use(req: ChatRequest, parser: type[tool_calls.StreamParser] | None) -> ToolUse | None:
@@ -226,6 +242,12 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
         settings = gen.settings(**sub.params)
     except CloverError as e:
         raise api_error(e, sub.chat) from None
+    grammar = _grammar(gen, sub)
+    if grammar is not None:
+        try:
+            settings = gen.constrained(settings, grammar)
+        except CloverError as e:
+            raise api_error(e, sub.chat) from None
     sub.decoding = settings.decoding
     if sub.ids is None:
         text = sub.text if sub.text is not None else _render(gen, sub, settings.enable_thinking)
@@ -248,7 +270,20 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
     need = context_needed(len(ids), settings.max_new_tokens, gen.block_size, gen.cfg.block_alignment)
     if need > gen.max_context:
         raise _too_long(gen, sub, len(ids), settings.max_new_tokens, need)
-    return {"prompt_ids": ids, **sub.params}
+    return {"prompt_ids": ids, **sub.params, **({"grammar": grammar} if grammar is not None else {})}
+
+
+def _grammar(gen, sub: Submission):
+    """The request's compiled grammar (None without one): compiled on the constraints compiler's worker
+    threads within its time and size limits, cached per spec; a refusal is a 400 naming the field."""
+    if sub.grammar_spec is None:
+        return None
+    from clover_export.constraints import GrammarError, compile  # torch: imported once an engine exists
+
+    try:
+        return compile(sub.grammar_spec, gen.grammar_vocab())
+    except GrammarError as e:
+        raise refuse(e.field, e.why) from None
 
 
 def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:

@@ -304,11 +304,20 @@ class ToolUse:
     parser: type[StreamParser] | None
     forced: str | None = None
     parallel: bool = True
+    constrained: bool = False  # the forced call comes from a grammar (`grammar_spec`), not a written opening
 
     @property
     def opening(self) -> str:
-        """The server's text that starts the assistant's turn ("" unless a call is forced)."""
-        return "" if self.forced is None or self.parser is None else self.parser.opening(self.forced or None)
+        """The server's text that starts the assistant's turn ("" unless a call is forced without a grammar)."""
+        if self.forced is None or self.parser is None or self.constrained:
+            return ""
+        return self.parser.opening(self.forced or None)
+
+    def grammar_spec(self) -> dict[str, Any]:
+        """The constraints spec of a forced call (docs/structured_output.md, Tool calls)."""
+        choice = {"type": "function", "function": {"name": self.forced}} if self.forced else "required"
+        return {"type": "tool_calls", "tools": self.tools, "tool_choice": choice,
+                "parallel_tool_calls": self.parallel}
 
     def keeps(self, event: Event) -> bool:
         """Whether the response shows this event (`parallel` False: calls after the first are dropped)."""

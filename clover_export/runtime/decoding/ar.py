@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from clover_export.runtime.decoding.base import DeviceWork, Phase, RowOutput, Rows, Strategy, Verdict
+from clover_export.runtime.decoding.grammar import allowed_prefix, commit, mask_logit_rows
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Ar(Strategy):
     name = "ar"
     device_work = frozenset({DeviceWork.VERIFY})
     block_alignment = False  # one token after another from the prompt's end
+    grammar_mode = "ar"
+    logit_hook = True  # a request with a grammar: its logit rows masked (runtime/decoding/grammar.py)
 
     def new_state(self) -> ArState:
         return ArState()
@@ -90,11 +93,19 @@ class Ar(Strategy):
             st.pending = st.pending + new
         self._count(req, v)
         req.phase = Phase.SPEC
+        if req.grammar is not None:
+            commit(req.grammar, new)
         if req.append(new):
             books.finish(req)
             return True
         st.draft = v.draft[:draft_room(req)] if full else []
+        if req.grammar is not None:  # a draft never holds a token the grammar refuses
+            st.draft = allowed_prefix(req.grammar, st.draft)
         return True
+
+    def mask_logits(self, req, block_logits, causal_logits) -> None:
+        if req.grammar is not None:
+            mask_logit_rows(req.grammar, req.state.draft, causal_logits)
 
     @staticmethod
     def _count(req, v: Verdict) -> None:

@@ -84,6 +84,7 @@ class Strategy:
     block_alignment: ClassVar[bool] = True  # the model's block_alignment applies (False: blocks follow the prompt)
     drafts: ClassVar[bool] = False  # reports accepted draft tokens per verifying forward (serve/metrics.py)
     logit_hook: ClassVar[bool] = False  # True: `mask_logits` runs on the device for its rows every step
+    grammar_mode: ClassVar[str] = ""  # the mode a request with a grammar runs in (runtime/decoding/grammar.py)
 
     def new_state(self) -> Any:
         """The per-request state this mode keeps (`Request.state`)."""

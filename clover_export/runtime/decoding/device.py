@@ -74,8 +74,8 @@ def run(step: DeviceStep) -> dict[str, torch.Tensor] | None:
 
 def apply_logit_hooks(step: DeviceStep) -> None:
     """The hook for per-row logit masks (e.g. grammar-constrained decoding): before any control or choice."""
-    for r, req in enumerate(step.plan.requests):
-        if req.strategy.logit_hook:
+    for r, (req, rows) in enumerate(zip(step.plan.requests, step.plan.rows)):
+        if req.strategy.logit_hook and (rows.logit_rows or rows.block is not None):
             req.strategy.mask_logits(req, step.logits[r], step.causal_logits[r])
 
 

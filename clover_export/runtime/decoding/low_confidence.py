@@ -11,6 +11,7 @@ from clover_export.runtime.decoding.base import DeviceWork, Phase, RowOutput, Ro
 
 class LowConfidence(Strategy):
     name = "low_confidence"
+    grammar_mode = "self_spec"  # positions filled out of order: a left-to-right grammar masks self_spec's rows
     device_work = frozenset({DeviceWork.SELECT, DeviceWork.FILL})
 
     def rows(self, req, chunk: list[int] | None, fold_commit: bool) -> Rows:

@@ -7,15 +7,23 @@ from __future__ import annotations
 
 from clover_export.runtime.decoding.ar import Ar
 from clover_export.runtime.decoding.base import DeviceWork, RowOutput, Rows
+from clover_export.runtime.decoding.grammar import mask_block
 
 
 class SelfSpec(Ar):
     name = "self_spec"
     device_work = frozenset({DeviceWork.VERIFY, DeviceWork.DRAFT})
     drafts = True
+    grammar_mode = "self_spec"
 
     def block_rows(self, req) -> list[int] | None:
         return [req.mask_id] * req.block_size
+
+    def mask_logits(self, req, block_logits, causal_logits) -> None:
+        """The logit rows as `ar`'s; the block (the next draft) walked position by position under the grammar."""
+        super().mask_logits(req, block_logits, causal_logits)
+        if req.grammar is not None:
+            mask_block(req.grammar, req.state.draft, block_logits)
 
     def next_draft(self, out: RowOutput, rows: Rows, accepted: int, bonus: int) -> list[int]:
         if rows.block is None or accepted != len(rows.draft) or out.tokens[0] != bonus:

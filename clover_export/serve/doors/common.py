@@ -99,6 +99,18 @@ def flat_tools_submission(chat: dict[str, Any], default_thinking: bool,
                        headers=e.headers) from None
 
 
+def json_format(fmt: dict[str, Any], where: str) -> dict[str, Any]:
+    """A door's flat JSON output format (`{"type": "json_schema", "schema": ..., "name"?, "strict"?}` or
+    `{"type": "json_object"}`) as the chat path's `response_format` (docs/serving.md, Structured output)."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise ApiError(400, f"'{where}.type' must be \"json_schema\" or \"json_object\"", param=f"{where}.type")
+    inner = {"name": fmt.get("name", "output"), "schema": fmt.get("schema")}
+    return {"type": "json_schema", "json_schema": inner}
+
+
 def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     """An assistant message's OpenAI-style tool call."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -132,7 +144,7 @@ def renamed(err: ApiError, renames: dict[str, str]) -> ApiError:
     message, param = err.message, err.param
     for inner, public in renames.items():
         message = re.sub(rf"\b{inner}\b", public, message)
-        param = public if param == inner else param
+        param = public + param[len(inner):] if param and (param == inner or param.startswith(inner + ".")) else param
     return ApiError(err.status, message, param=param, code=err.code, headers=err.headers)
 
 

@@ -26,6 +26,7 @@ from clover_export.serve.doors.common import (
     check_named_tool,
     flat_tools_submission,
     function_tool,
+    json_format,
     tool_call,
 )
 from clover_export.serve.protocol import MAX_MESSAGES, MAX_STOP, STRICT, ApiError, ranged, refuse
@@ -116,7 +117,7 @@ class Thinking(BaseModel):
 class OutputConfig(BaseModel):
     model_config = STRICT
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted and ignored
-    format: dict[str, Any] | None = None  # structured output: refused until the grammar path is in
+    format: dict[str, Any] | None = None  # structured output: {"type": "json_schema", "schema": {...}}
 
 
 class Metadata(BaseModel):
@@ -154,21 +155,23 @@ def admit(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Cal
     """The validated body as the chat path's request (pydantic errors are the caller's: they name this body);
     `tool_parser`: the model's tool-call format (tool_calls.parser_for)."""
     req = MessagesRequest.model_validate(data)
-    if req.output_config is not None and req.output_config.format is not None:
-        raise refuse("output_config.format", "is not supported yet (structured output)")
+    fmt = req.output_config.format if req.output_config is not None else None
     if req.messages[-1].role == "assistant":
         raise refuse("messages", "ends with an assistant message; continuing a prefilled answer is not supported")
     tools = _tools(req.tools)
     chat = {"model": req.model, "messages": _system(req.system) + _chat_messages(req.messages),
             "max_tokens": req.max_tokens, "stop": req.stop_sequences, "stream": req.stream,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "decoding": req.decoding,
-            "tools": tools, "tool_choice": _tool_choice(req.tool_choice, tools)}
+            "tools": tools, "tool_choice": _tool_choice(req.tool_choice, tools),
+            "response_format": json_format(fmt, "output_config.format") if fmt is not None else None}
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         chat["parallel_tool_calls"] = False
     if req.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     sub = flat_tools_submission(chat, default_thinking, tool_parser)
-    return Call(sub, req.model, renames={"stop": "stop_sequences"})
+    return Call(sub, req.model, renames={"stop": "stop_sequences",
+                                         "response_format.json_schema": "output_config.format",
+                                         "response_format": "output_config.format"})
 
 
 def admit_count(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Call:

@@ -26,6 +26,7 @@ from clover_export.serve.doors.common import (
     check_named_tool,
     flat_tools_submission,
     function_tool,
+    json_format,
     tool_call,
 )
 from clover_export.serve.protocol import MAX_MESSAGES, STRICT, ApiError, ranged, refuse
@@ -149,14 +150,14 @@ def admit(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Cal
     `tool_parser`: the model's tool-call format (tool_calls.parser_for)."""
     req = ResponsesRequest.model_validate(data)
     _refuse_state(req)
-    if req.text and req.text.format and req.text.format.type != "text":
-        raise refuse("text.format", f"of type \"{req.text.format.type}\" is not supported yet (only \"text\")")
+    fmt = req.text.format if req.text and req.text.format and req.text.format.type != "text" else None
     tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or []] or None
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = {"model": req.model, "messages": system + _chat_messages(req.input), "max_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream, "decoding": req.decoding,
             "tools": tools, "tool_choice": _tool_choice(req.tool_choice, tools),
-            "parallel_tool_calls": req.parallel_tool_calls}
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "response_format": json_format(fmt.model_dump(), "text.format") if fmt is not None else None}
     if req.reasoning is not None and req.reasoning.effort is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": req.reasoning.effort != "none"}
     sub = flat_tools_submission(chat, default_thinking, tool_parser)
@@ -166,7 +167,9 @@ def admit(data: dict[str, Any], default_thinking: bool, tool_parser=None) -> Cal
             "tools": [t.model_dump() for t in req.tools or []],
             "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction)
             else req.tool_choice or "auto"}
-    return Call(sub, req.model, echo=echo, renames={"max_tokens": "max_output_tokens", "messages": "input"})
+    return Call(sub, req.model, echo=echo, renames={"max_tokens": "max_output_tokens", "messages": "input",
+                                                    "response_format.json_schema": "text.format",
+                                                    "response_format": "text.format"})
 
 
 def _refuse_state(req: ResponsesRequest) -> None:
