@@ -20,6 +20,7 @@ class StreamChunk:
     token_ids: list[int]  # the block's response token ids (with stop strings: those whose text is in `text` so far)
     finished: bool = False
     result: "Result | None" = None  # set on the last chunk
+    logprobs: list = field(default_factory=list)  # token_ids' `TokenLogprob`s when the request asked
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Result:
     decoding: str = "low_confidence"  # the request's mode (DECODING.md 2, 5)
     forwards: int = 0  # forwards it took part in after its prompt (low_confidence: its denoise steps)
     accepted_per_forward: float = 0.0  # self_spec: mean draft tokens accepted per verifying forward
+    logprobs: list = field(default_factory=list, repr=False)  # token_ids' `TokenLogprob`s when the request asked
 
     @property
     def reasoning(self) -> str:

@@ -74,6 +74,13 @@ class RowOutput:
     ar_tokens: list[int] = field(default_factory=list)
     sampled: tuple[int, int] = (-1, -1)
     verdict: Verdict | None = None
+    # logprobs (runtime/decoding/logprobs.py), for rows that asked: per logit row the AR token's and the draft
+    # token's log-probability, a sampled bonus's, and the row's top k (ids, log-probabilities), flat [R * k]
+    lp_ar: list[float] = field(default_factory=list)
+    lp_draft: list[float] = field(default_factory=list)
+    lp_bonus: list[float] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)
+    top_lp: list[float] = field(default_factory=list)
 
 
 class Strategy:
