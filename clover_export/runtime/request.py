@@ -43,6 +43,7 @@ class Request:
     response: list[int] = field(default_factory=list)  # response tokens, cut at end token / max_new_tokens
     counts: Counter = field(default_factory=Counter)  # occurrences of each token in `response`
     logprobs: list = field(default_factory=list)  # per response token its `decoding.logprobs.TokenLogprob` (if asked)
+    block_logprobs: dict = field(default_factory=dict)  # low_confidence: the active block's, by position
     finish_reason: str | None = None
     error: Exception | None = None  # why the request failed (finish_reason "error"); see loop.py
     # prefix reuse (runtime/prefix_cache.py)
@@ -93,6 +94,7 @@ class Request:
         self.tail = len(tail)
         self.block = list(tail) + [self.mask_id] * (self.block_size - self.tail)
         self.block_steps = 0
+        self.block_logprobs = {}
 
     def block_resolved(self, early_stop: bool) -> bool:
         """Every position filled, or (early stop) an end token filled with every position before it filled."""
@@ -108,7 +110,8 @@ class Request:
     def take_block(self) -> bool:
         """Append the resolved block's response tokens; True when the request is done (DECODING.md 1.5)."""
         self.blocks += 1
-        return self.append(self.block[self.tail:])
+        lps = [self.block_logprobs[i] for i in range(self.tail, self.block_size)] if self.wants_logprobs else None
+        return self.append(self.block[self.tail:], lps)
 
     @property
     def wants_logprobs(self) -> bool:

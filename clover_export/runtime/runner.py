@@ -197,7 +197,7 @@ class Runner:
 
 def logprob_fields(got: dict[str, list[int]]) -> dict[str, list]:
     """The logprob columns of a read-back row (runtime/decoding/logprobs.py): floats from their bits."""
-    out = {name: logprobs.floats(got[name]) for name in ("lp_ar", "lp_draft", "lp_bonus", "top_lp") if name in got}
-    if "top_ids" in got:
-        out["top_ids"] = got["top_ids"]
+    out = {name: logprobs.floats(got[name]) for name in ("lp_ar", "lp_draft", "lp_bonus", "top_lp", "blk_lp",
+                                                         "blk_top_lp") if name in got}
+    out.update({name: got[name] for name in ("top_ids", "blk_top_ids") if name in got})
     return out

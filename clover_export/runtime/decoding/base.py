@@ -81,6 +81,10 @@ class RowOutput:
     lp_bonus: list[float] = field(default_factory=list)
     top_ids: list[int] = field(default_factory=list)
     top_lp: list[float] = field(default_factory=list)
+    # low_confidence: per block position its token's log-probability in this step's block distribution, top k
+    blk_lp: list[float] = field(default_factory=list)
+    blk_top_ids: list[int] = field(default_factory=list)
+    blk_top_lp: list[float] = field(default_factory=list)
 
 
 class Strategy:

@@ -62,7 +62,7 @@ def run(step: DeviceStep) -> dict[str, torch.Tensor] | None:
     verifying = step.rows(DeviceWork.VERIFY)
     if not any(step.plan.has_block) and not verifying:  # prefill or commit rows only: nothing to read
         return None
-    asked = device_logprobs.asked(step)  # the raw causal logits' log-softmax, before any hook changes them
+    causal_lp, block_lp = device_logprobs.asked_causal(step), device_logprobs.asked_block(step)  # raw logits'
     apply_logit_hooks(step)
     ar_tokens, sampled = verify(step, verifying)
     tok, conf = select(step)
@@ -71,7 +71,8 @@ def run(step: DeviceStep) -> dict[str, torch.Tensor] | None:
     # the leading confident block positions after position 0: a drafting row's next draft (DECODING.md 5)
     lead = (conf[:, 1:] > step.params.draft_threshold[:, None]).int().cumprod(1).sum(1, keepdim=True)
     return {"block": block, "tokens": tok, "lead": lead, "ar_tokens": ar_tokens, "sampled": sampled,
-            **device_logprobs.causal_columns(step, asked, ar_tokens, sampled)}
+            **device_logprobs.causal_columns(step, causal_lp, ar_tokens, sampled),
+            **device_logprobs.block_columns(step, block_lp, block)}
 
 
 def apply_logit_hooks(step: DeviceStep) -> None:

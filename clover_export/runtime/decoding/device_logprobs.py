@@ -1,5 +1,6 @@
-"""The device side of logprobs (runtime/decoding/logprobs.py): the asking rows' log-softmax, the chosen
-candidates' log-probabilities and the top k, as read-back columns."""
+"""The device side of logprobs (runtime/decoding/logprobs.py): the asking rows' log-softmax of the raw logits
+(taken before any logit hook or control changes them), the chosen tokens' log-probabilities and the top k, as
+read-back columns (zeros for the rows that did not ask, never read)."""
 
 from __future__ import annotations
 
@@ -7,54 +8,81 @@ from dataclasses import dataclass
 
 import torch
 
+from clover_export.runtime.decoding.base import DeviceWork
+
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """float32 values as int32 bit patterns (read back with the step's int columns; `floats` undoes it)."""
+    """float32 values as int32 bit patterns (read back with the step's int columns; `logprobs.floats` undoes it)."""
     return t.float().contiguous().view(torch.int32)
 
 
 @dataclass
 class Asked:
-    """The batch rows that verify and asked for logprobs, the most alternatives one of them asked for, and
-    their logit rows' log-softmax [n, R, V] (taken before any logit hook or control changes the logits)."""
+    """The batch rows that asked, the most alternatives one of them asked for, their log-softmax [n, R, V]."""
 
     rows: list[int]
     k: int
-    lsm: torch.Tensor | None
+    lsm: torch.Tensor | None = None
 
 
-def asked(step) -> Asked:
-    rows = [r for r, (req, row) in enumerate(zip(step.plan.requests, step.plan.rows))
-            if row.logit_rows and getattr(req.params, "logprobs", None) is not None]
+def asked(step, logits: torch.Tensor, rows: list[int]) -> Asked:
+    rows = [r for r in rows if getattr(step.plan.requests[r].params, "logprobs", None) is not None]
     if not rows:
-        return Asked(rows, 0, None)
+        return Asked(rows, 0)
     k = max(step.plan.requests[r].params.logprobs for r in rows)
-    idx = torch.tensor(rows, device=step.causal_logits.device)
-    return Asked(rows, k, torch.log_softmax(step.causal_logits.index_select(0, idx).float(), -1))
+    idx = torch.tensor(rows, device=logits.device)
+    return Asked(rows, k, torch.log_softmax(logits.index_select(0, idx).float(), -1))
+
+
+def asked_causal(step) -> Asked:
+    """The verifying rows that asked: their logit rows' distributions."""
+    return asked(step, step.causal_logits, step.rows(DeviceWork.VERIFY))
+
+
+def asked_block(step) -> Asked:
+    """The filling rows (low_confidence) that asked: their block positions' distributions."""
+    return asked(step, step.logits, step.rows(DeviceWork.FILL, with_block=True))
 
 
 def causal_columns(step, a: Asked, ar_tokens: torch.Tensor, sampled: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Read-back columns for the asking rows (zeros elsewhere): `lp_ar` [B, R] the AR token's log-probability
-    per logit row, `lp_draft` [B, R - 1] the draft token's, `lp_bonus` [B, 1] the sampled bonus's at the row
-    that drew it, `top_ids` / `top_lp` [B, R * k]."""
+    """`lp_ar` [B, R] the AR token's log-probability per logit row, `lp_draft` [B, R - 1] the draft token's,
+    `lp_bonus` [B, 1] the sampled bonus's at the row that drew it, `top_ids` / `top_lp` [B, R * k]."""
     if not a.rows:
         return {}
-    B, R = ar_tokens.shape
-    device, lsm = ar_tokens.device, a.lsm
-    idx = torch.tensor(a.rows, device=device)
+    R, lsm = ar_tokens.shape[1], a.lsm
+    idx = torch.tensor(a.rows, device=lsm.device)
     drafts = step.inputs["drafts"].long().index_select(0, idx).clamp_min(0)  # padding -1 -> any id, unread
     drawn = sampled.index_select(0, idx).long()
     at = drawn[:, :1].clamp(0, R - 1)
-    cols = {"lp_ar": lsm.gather(2, ar_tokens.index_select(0, idx).long()[..., None])[..., 0],
-            "lp_draft": lsm[:, :R - 1].gather(2, drafts[..., None])[..., 0],
+    cols = {"lp_ar": pick(lsm, ar_tokens.index_select(0, idx)), "lp_draft": pick(lsm[:, :R - 1], drafts),
             "lp_bonus": lsm.gather(1, at[..., None].expand(-1, 1, lsm.shape[2]))[:, 0]
             .gather(1, drawn[:, 1:].clamp_min(0))}
+    return columns(cols, a, ar_tokens.shape[0], "")
+
+
+def block_columns(step, a: Asked, block: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`blk_lp` [B, N] the log-probability of each block position's token after the step (read for the
+    positions the step filled), `blk_top_ids` / `blk_top_lp` [B, N * k]."""
+    if not a.rows:
+        return {}
+    idx = torch.tensor(a.rows, device=a.lsm.device)
+    return columns({"lp": pick(a.lsm, block.index_select(0, idx))}, a, block.shape[0], "blk_")
+
+
+def pick(lsm: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """lsm [n, R, V] at ids [n, R]."""
+    return lsm.gather(2, ids.long()[..., None])[..., 0]
+
+
+def columns(cols: dict[str, torch.Tensor], a: Asked, B: int, prefix: str) -> dict[str, torch.Tensor]:
+    """The asking rows' columns (plus their top k) scattered into [B, width] int32 columns named prefix+name."""
     if a.k:
-        top = lsm.topk(a.k, -1)
+        top = a.lsm.topk(a.k, -1)
         cols["top_ids"], cols["top_lp"] = top.indices.flatten(1), top.values.flatten(1)
+    idx = torch.tensor(a.rows, device=a.lsm.device)
     out = {}
     for name, t in cols.items():
-        full = torch.zeros(B, t.shape[1], dtype=t.dtype, device=device)
+        full = torch.zeros(B, t.shape[1], dtype=t.dtype, device=t.device)
         full.index_copy_(0, idx, t)
-        out[name] = full.to(torch.int32) if name == "top_ids" else as_bits(full)
+        out[prefix + name] = full.to(torch.int32) if name == "top_ids" else as_bits(full)
     return out

@@ -31,8 +31,20 @@ def floats(bits: list[int]) -> list[float]:
 def verified(out, k: int, accepted: int, bonus: int, draft: list[int], sampled: bool) -> list[TokenLogprob]:
     """Each token a verifying step emitted (draft[:accepted], then bonus): its log-probability at its logit row
     and the row's top k."""
-    R = len(out.lp_ar)
-    tops = [list(zip(out.top_ids[i * k:(i + 1) * k], out.top_lp[i * k:(i + 1) * k])) for i in range(R)]
-    got = [TokenLogprob(t, out.lp_draft[i], tops[i]) for i, t in enumerate(draft[:accepted])]
+    top = tops(out.top_ids, out.top_lp, k) or [[] for _ in out.lp_ar]
+    got = [TokenLogprob(t, out.lp_draft[i], top[i]) for i, t in enumerate(draft[:accepted])]
     last = out.lp_bonus[0] if sampled else out.lp_ar[accepted]
-    return got + [TokenLogprob(bonus, last, tops[accepted])]
+    return got + [TokenLogprob(bonus, last, top[accepted])]
+
+
+def tops(ids: list[int], lps: list[float], k: int) -> list[list[tuple[int, float]]]:
+    """Flat [rows * k] top-k columns as per row [(id, log-probability)], likeliest first."""
+    return [list(zip(ids[i:i + k], lps[i:i + k])) for i in range(0, len(ids), k)] if k else []
+
+
+def filled(out, k: int, before: list[int], mask_id: int) -> dict[int, TokenLogprob]:
+    """low_confidence: the block positions this step filled (masked before, a token after) with their
+    token's log-probability in this step's block distribution and its top k."""
+    top = tops(out.blk_top_ids, out.blk_top_lp, k)
+    return {i: TokenLogprob(t, out.blk_lp[i], top[i] if k else [])
+            for i, (was, t) in enumerate(zip(before, out.block)) if was == mask_id and t != mask_id}
