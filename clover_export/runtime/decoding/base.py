@@ -94,6 +94,7 @@ class Strategy:
     device_work: ClassVar[frozenset[DeviceWork]]
     block_alignment: ClassVar[bool] = True  # the model's block_alignment applies (False: blocks follow the prompt)
     drafts: ClassVar[bool] = False  # reports accepted draft tokens per verifying forward (serve/metrics.py)
+    logprobs_source: ClassVar[str] = "causal"  # the distribution its logprobs come from (docs/serving.md, Logprobs)
     logit_hook: ClassVar[bool] = False  # True: `mask_logits` runs on the device for its rows every step
 
     def new_state(self) -> Any:

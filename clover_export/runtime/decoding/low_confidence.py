@@ -13,6 +13,7 @@ from clover_export.runtime.decoding.base import DeviceWork, Phase, RowOutput, Ro
 class LowConfidence(Strategy):
     name = "low_confidence"
     device_work = frozenset({DeviceWork.SELECT, DeviceWork.FILL})
+    logprobs_source = "block"  # the block distribution at the step each token was committed
 
     def rows(self, req, chunk: list[int] | None, fold_commit: bool) -> Rows:
         if req.phase is Phase.PREFILL:
