@@ -385,7 +385,7 @@ async def _generate(request: Request, sub: adapter.Submission, kwargs: dict[str,
         state.metrics.finished(path, 499)
         return Response(status_code=499)  # nobody reads it
     finally:
-        if group.open:
+        if group.open and not sub.stream:  # failed: the choices still running leave (a stream's own: `_sse`)
             group.close()
 
 
