@@ -184,7 +184,7 @@ PARAMETERS: tuple[Parameter, ...] = (
               "decoding", "--decoding"),
     Parameter("logprobs", None, Range("int", 0, MAX_TOP_LOGPROBS),
               "Report each response token's log-probability and this many likeliest alternatives (docs/serving.md, "
-              "Logprobs); unset: none"),
+              "Logprobs; `generate --json` prints them); unset: none", cli="--logprobs"),
     Parameter("draft_threshold", DRAFT_THRESHOLD, Range("real", 0, 1),
               "self_spec: how confident a block position must be to be drafted (0: every position, 1: none); changes "
               "the speed only, not the greedy output nor the sampled distribution", "draft_threshold",

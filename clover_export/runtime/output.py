@@ -7,6 +7,7 @@ could still turn out to start a stop string, or an incomplete UTF-8 sequence
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -63,6 +64,10 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d.pop("prompt_ids")
+        if self.logprobs:  # asked for: each TokenLogprob as {token, logprob, top}
+            d["logprobs"] = [dataclasses.asdict(t) for t in self.logprobs]
+        else:
+            d.pop("logprobs")
         return d
 
 

@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from clover_export.core.errors import CloverError
 from clover_export.runtime import decoding as modes
@@ -537,11 +537,20 @@ def _choice(sub: Submission, index: int, res) -> dict[str, Any]:
     return {"index": index, "text": content, "finish_reason": finish, "logprobs": choice_logprobs(sub, res.logprobs)}
 
 
+class At(NamedTuple):
+    """Where a streaming chunk stands: its choice's index, whether it is that choice's first chunk, and its
+    tokens' logprobs in the choice's shape (None: not asked, or none in this chunk)."""
+
+    index: int = 0
+    first: bool = False
+    logprobs: dict[str, Any] | None = None
+
+
 def chunk(sub: Submission, model: str, reasoning: str = "", content: str = "", finish: str | None = None,
-          first: bool = False, res=None, tool_call: dict[str, Any] | None = None, index: int = 0,
-          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streaming chunk of choice `index`: a block's deltas (`logprobs`: its tokens', in the choice's shape),
-    one tool-call delta, the finishing chunk, or (res: the choices' Results) the usage chunk."""
+          at: At = At(), res=None, tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streaming chunk of choice `at.index`: a block's deltas, one tool-call delta, the finishing chunk, or
+    (res: the choices' Results) the usage chunk."""
+    index, first, logprobs = at
     if sub.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if content or first:

@@ -458,8 +458,7 @@ def _block_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int
     out = []
     lps = _chunk_logprobs(sub, st, block.logprobs)
     for reasoning, content, call in st.reply.push(block.text, block.finished):
-        out.append(adapter.chunk(sub, model, reasoning, content, first=st.first, tool_call=call, index=index,
-                                 logprobs=lps))
+        out.append(adapter.chunk(sub, model, reasoning, content, at=adapter.At(index, st.first, lps), tool_call=call))
         st.first, lps = False, None
     return out
 
@@ -469,11 +468,11 @@ def _final_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int
     *deltas, (reasoning, content, call) = st.reply.push("", True)
     out = []
     for r, c, t in deltas:
-        out.append(adapter.chunk(sub, model, r, c, first=st.first, tool_call=t, index=index))
+        out.append(adapter.chunk(sub, model, r, c, at=adapter.At(index, st.first), tool_call=t))
         st.first = False
     finish = st.reply.finish_reason(res.finish_reason)
-    out.append(adapter.chunk(sub, model, reasoning, content, finish=finish, first=st.first, tool_call=call,
-                             index=index))
+    out.append(adapter.chunk(sub, model, reasoning, content, finish=finish, at=adapter.At(index, st.first),
+                             tool_call=call))
     return out
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from clover_export.runtime.decoding import logprobs
 from clover_export.runtime.decoding.base import DeviceWork, Phase, RowOutput, Rows, Strategy, Verdict
+from clover_export.runtime.decoding.logprobs import verified
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Ar(Strategy):
             st.pending = st.pending + new
         self._count(req, v)
         req.phase = Phase.SPEC
-        lps = logprobs.verified(out, req.params.logprobs, v.accepted, v.bonus, st.draft, out.sampled[0] >= 0) \
+        lps = verified(out, req.params.logprobs, v.accepted, v.bonus, st.draft, out.sampled[0] >= 0) \
             if req.wants_logprobs else None
         if req.append(new, lps):
             books.finish(req)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from clover_export.runtime.decoding import logprobs
 from clover_export.runtime.decoding.base import DeviceWork, Phase, RowOutput, Rows, Strategy
+from clover_export.runtime.decoding.logprobs import filled
 
 
 class LowConfidence(Strategy):
@@ -62,7 +62,7 @@ class LowConfidence(Strategy):
         """The block after a denoise step; when resolved its tokens join the response (True)."""
         req.pending_commit = []
         if req.wants_logprobs:
-            req.block_logprobs.update(logprobs.filled(out, req.params.logprobs, req.block, req.mask_id))
+            req.block_logprobs.update(filled(out, req.params.logprobs, req.block, req.mask_id))
         req.block = out.block
         req.denoise_steps += 1
         req.block_steps += 1
