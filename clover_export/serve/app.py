@@ -456,7 +456,7 @@ async def _sse(group: Choices, sub: adapter.Submission, request: Request, deadli
 def _block_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int, block) -> list[dict[str, Any]]:
     """A block's chunks for choice `index`; the first carries the block's tokens' logprobs."""
     out = []
-    lps = _chunk_logprobs(sub, st, block.logprobs)
+    lps = _chunk_logprobs(sub, st, block)
     for reasoning, content, call in st.reply.push(block.text, block.finished):
         out.append(adapter.chunk(sub, model, reasoning, content, at=adapter.At(index, st.first, lps), tool_call=call))
         st.first, lps = False, None
@@ -476,10 +476,11 @@ def _final_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int
     return out
 
 
-def _chunk_logprobs(sub: adapter.Submission, st: _Streamed, lps: list) -> dict[str, Any] | None:
+def _chunk_logprobs(sub: adapter.Submission, st: _Streamed, block) -> dict[str, Any] | None:
+    """The block's tokens' logprobs in the choice's shape (None unless asked)."""
     if sub.logprobs is None:
         return None
-    return adapter.chat_logprobs(sub, lps) if sub.chat else st.logprobs.of(lps)
+    return adapter.chat_logprobs(sub, block.logprobs) if sub.chat else st.logprobs.of(block.logprobs)
 
 
 # --- other front doors (clover_export/serve/doors): one loop for every door's Call -----------------------------------
