@@ -23,6 +23,11 @@ class Asked:
     rows: list[int]
     k: int
     lsm: torch.Tensor | None = None
+    every: bool = False  # every batch row asked: no gathering of rows, no scattering back
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The asking rows of a [B, ...] tensor."""
+        return t if self.every else t.index_select(0, torch.tensor(self.rows, device=t.device))
 
 
 def asked(step, logits: torch.Tensor, rows: list[int]) -> Asked:
@@ -30,8 +35,9 @@ def asked(step, logits: torch.Tensor, rows: list[int]) -> Asked:
     if not rows:
         return Asked(rows, 0)
     k = max(step.plan.requests[r].params.logprobs for r in rows)
-    idx = torch.tensor(rows, device=logits.device)
-    return Asked(rows, k, torch.log_softmax(logits.index_select(0, idx).float(), -1))
+    a = Asked(rows, k, every=len(rows) == logits.shape[0])
+    a.lsm = torch.log_softmax(a.take(logits).float(), -1)
+    return a
 
 
 def asked_causal(step) -> Asked:
@@ -50,13 +56,14 @@ def causal_columns(step, a: Asked, ar_tokens: torch.Tensor, sampled: torch.Tenso
     if not a.rows:
         return {}
     R, lsm = ar_tokens.shape[1], a.lsm
-    idx = torch.tensor(a.rows, device=lsm.device)
-    drafts = step.inputs["drafts"].long().index_select(0, idx).clamp_min(0)  # padding -1 -> any id, unread
-    drawn = sampled.index_select(0, idx).long()
-    at = drawn[:, :1].clamp(0, R - 1)
-    cols = {"lp_ar": pick(lsm, ar_tokens.index_select(0, idx)), "lp_draft": pick(lsm[:, :R - 1], drafts),
-            "lp_bonus": lsm.gather(1, at[..., None].expand(-1, 1, lsm.shape[2]))[:, 0]
-            .gather(1, drawn[:, 1:].clamp_min(0))}
+    cols = {"lp_ar": pick(lsm, a.take(ar_tokens))}
+    if R > 1:  # drafts under verification
+        cols["lp_draft"] = pick(lsm[:, :R - 1], a.take(step.inputs["drafts"]).clamp_min(0))  # padding -1: unread
+    if step.sampling(a.rows):  # a sampled bonus, drawn at row `accepted`
+        drawn = a.take(sampled).long()
+        at = drawn[:, :1].clamp(0, R - 1)
+        cols["lp_bonus"] = lsm.gather(1, at[..., None].expand(-1, 1, lsm.shape[2]))[:, 0].gather(
+            1, drawn[:, 1:].clamp_min(0))
     return columns(cols, a, ar_tokens.shape[0], "")
 
 
@@ -65,8 +72,7 @@ def block_columns(step, a: Asked, block: torch.Tensor) -> dict[str, torch.Tensor
     positions the step filled), `blk_top_ids` / `blk_top_lp` [B, N * k]."""
     if not a.rows:
         return {}
-    idx = torch.tensor(a.rows, device=a.lsm.device)
-    return columns({"lp": pick(a.lsm, block.index_select(0, idx))}, a, block.shape[0], "blk_")
+    return columns({"lp": pick(a.lsm, a.take(block))}, a, block.shape[0], "blk_")
 
 
 def pick(lsm: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -79,10 +85,10 @@ def columns(cols: dict[str, torch.Tensor], a: Asked, B: int, prefix: str) -> dic
     if a.k:
         top = a.lsm.topk(a.k, -1)
         cols["top_ids"], cols["top_lp"] = top.indices.flatten(1), top.values.flatten(1)
-    idx = torch.tensor(a.rows, device=a.lsm.device)
+    idx = None if a.every else torch.tensor(a.rows, device=a.lsm.device)
     out = {}
     for name, t in cols.items():
-        full = torch.zeros(B, t.shape[1], dtype=t.dtype, device=t.device)
-        full.index_copy_(0, idx, t)
-        out[prefix + name] = full.to(torch.int32) if name == "top_ids" else as_bits(full)
+        if idx is not None:
+            t = torch.zeros(B, t.shape[1], dtype=t.dtype, device=t.device).index_copy_(0, idx, t)
+        out[prefix + name] = t.to(torch.int32) if name == "top_ids" else as_bits(t)
     return out
