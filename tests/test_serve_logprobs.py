@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import json
+import time
 
 import httpx
 import openai
@@ -184,3 +185,28 @@ def test_bad_logprobs_and_n_are_one_400_naming_the_field(server, path, body, par
     r = httpx.post(server + path, json={**base, "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def running_requests(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:num_requests_running")
+
+
+def test_a_client_leaving_a_stream_of_choices_cancels_every_choice(server):
+    """Four long choices streamed (seconds of steps each); the client reads a few chunks and leaves: every choice
+    leaves the batch at once, long before they could have finished."""
+    body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "n": 4, "stream": True, "decoding": "ar"}
+    seen = set()
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                seen.add(json.loads(line[5:])["choices"][0]["index"])
+            if len(seen) == 4:
+                break
+    left = time.monotonic()
+    while running_requests(server) and time.monotonic() - left < 3:
+        time.sleep(0.1)
+    assert running_requests(server) == 0
