@@ -379,8 +379,8 @@ BAD_REQUESTS = [
     ({**CHAT, "top_p": 0}, "top_p", None),
     ({**CHAT, "max_tokens": 0}, "max_tokens", None),
     ({**CHAT, "block_size": 8}, "block_size", None),
-    ({**CHAT, "n": 2}, "n", None),
-    ({**CHAT, "logprobs": True}, "logprobs", None),
+    ({**CHAT, "n": 9}, "n", None),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs", None),
     ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "format": "no-such-format"}}}}, "response_format.json_schema.schema",
      None),
@@ -420,7 +420,7 @@ def test_other_errors(server, client):
     check_error(httpx.get(server.url + "/v1/nothing"), 404)
     # the official client sees the same errors as typed exceptions
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], n=3)
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], n=9)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="Hi")

@@ -90,6 +90,7 @@ REAL_MAX = 10**6
 # The smallest value of a parameter the controls divide by (repetition_penalty, the ramp windows): a logit
 # divided by it stays finite in float32, where 1e-39 would overflow and 1e-46 rounds to a division by zero.
 DIVISOR_MIN = 1 / REAL_MAX
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
 SEED_RANGE = Range("int", 0, 2**64 - 1)  # torch.Generator.manual_seed takes 64-bit seeds; None = random
 
 
@@ -181,6 +182,9 @@ PARAMETERS: tuple[Parameter, ...] = (
               "forward: the reference. self_spec: the same output as ar (greedy: token for token; sampling: the same "
               "distribution), several tokens per forward (the block drafts, the causal rows verify)",
               "decoding", "--decoding"),
+    Parameter("logprobs", None, Range("int", 0, MAX_TOP_LOGPROBS),
+              "Report each response token's log-probability and this many likeliest alternatives (docs/serving.md, "
+              "Logprobs; `generate --json` prints them); unset: none", cli="--logprobs"),
     Parameter("draft_threshold", DRAFT_THRESHOLD, Range("real", 0, 1),
               "self_spec: how confident a block position must be to be drafted (0: every position, 1: none); changes "
               "the speed only, not the greedy output nor the sampled distribution", "draft_threshold",

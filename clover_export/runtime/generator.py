@@ -141,10 +141,15 @@ class Stream:
             self.gen.loop.finish(self.request, "stop_string")
         elif self.tracker.stopped:
             self.request.finish_reason = "stop_string"
-        chunk = StreamChunk(self.request_id, delta, ids, self.request.finished)
+        chunk = StreamChunk(self.request_id, delta, ids, self.request.finished,
+                            logprobs=self._logprobs_of(len(self.tracker.token_ids) - len(ids), len(ids)))
         if self.request.finished:
             chunk.result = self._finish()
         self.chunks.append(chunk)
+
+    def _logprobs_of(self, start: int, count: int) -> list:
+        """The `TokenLogprob`s of response tokens [start, start + count) (none unless the request asked)."""
+        return self.request.logprobs[start:start + count]
 
     def _finish(self) -> Result:
         req, ids = self.request, self.tracker.token_ids
@@ -157,7 +162,7 @@ class Stream:
             forwards_per_block=s["forwards_per_block"], distinct_experts_per_block=s["distinct_experts_per_block"],
             wall_time_s=time.perf_counter() - self.started, prompt_ids=list(req.prompt_ids),
             cached_tokens=req.cached_tokens, decoding=req.decoding, forwards=s["forwards"],
-            accepted_per_forward=s["accepted_per_forward"],
+            accepted_per_forward=s["accepted_per_forward"], logprobs=self._logprobs_of(0, len(ids)),
             error=str(self.error) if req.error is not None else None,
         )
         self.gen.handles.pop(self.request_id, None)

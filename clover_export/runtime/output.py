@@ -7,6 +7,7 @@ could still turn out to start a stop string, or an incomplete UTF-8 sequence
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ class StreamChunk:
     token_ids: list[int]  # the block's response token ids (with stop strings: those whose text is in `text` so far)
     finished: bool = False
     result: "Result | None" = None  # set on the last chunk
+    logprobs: list = field(default_factory=list)  # token_ids' `TokenLogprob`s when the request asked
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Result:
     decoding: str = "low_confidence"  # the request's mode (DECODING.md 2, 5)
     forwards: int = 0  # forwards it took part in after its prompt (low_confidence: its denoise steps)
     accepted_per_forward: float = 0.0  # self_spec: mean draft tokens accepted per verifying forward
+    logprobs: list = field(default_factory=list, repr=False)  # token_ids' `TokenLogprob`s when the request asked
 
     @property
     def reasoning(self) -> str:
@@ -61,6 +64,10 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d.pop("prompt_ids")
+        if self.logprobs:  # asked for: each TokenLogprob as {token, logprob, top}
+            d["logprobs"] = [dataclasses.asdict(t) for t in self.logprobs]
+        else:
+            d.pop("logprobs")
         return d
 
 

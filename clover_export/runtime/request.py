@@ -42,6 +42,8 @@ class Request:
     pending_commit: list[int] = field(default_factory=list)  # resolved block still to append causally
     response: list[int] = field(default_factory=list)  # response tokens, cut at end token / max_new_tokens
     counts: Counter = field(default_factory=Counter)  # occurrences of each token in `response`
+    logprobs: list = field(default_factory=list)  # per response token its `decoding.logprobs.TokenLogprob` (if asked)
+    block_logprobs: dict = field(default_factory=dict)  # low_confidence: the active block's, by position
     finish_reason: str | None = None
     error: Exception | None = None  # why the request failed (finish_reason "error"); see loop.py
     # prefix reuse (runtime/prefix_cache.py)
@@ -93,6 +95,7 @@ class Request:
         self.tail = len(tail)
         self.block = list(tail) + [self.mask_id] * (self.block_size - self.tail)
         self.block_steps = 0
+        self.block_logprobs = {}
 
     def block_resolved(self, early_stop: bool) -> bool:
         """Every position filled, or (early stop) an end token filled with every position before it filled."""
@@ -108,15 +111,23 @@ class Request:
     def take_block(self) -> bool:
         """Append the resolved block's response tokens; True when the request is done (DECODING.md 1.5)."""
         self.blocks += 1
-        return self.append(self.block[self.tail:])
+        lps = [self.block_logprobs[i] for i in range(self.tail, self.block_size)] if self.wants_logprobs else None
+        return self.append(self.block[self.tail:], lps)
 
-    def append(self, tokens: list[int]) -> bool:
-        """Append response tokens up to the first end token or max_new_tokens; True when the request is done."""
-        for tok in tokens:
+    @property
+    def wants_logprobs(self) -> bool:
+        return getattr(self.params, "logprobs", None) is not None
+
+    def append(self, tokens: list[int], logprobs: list | None = None) -> bool:
+        """Append response tokens up to the first end token or max_new_tokens; True when the request is done.
+        `logprobs`: each token's `TokenLogprob` (kept alongside the response)."""
+        for i, tok in enumerate(tokens):
             if len(self.response) >= self.max_new_tokens:
                 self.finish_reason = "length"
                 return True
             self.response.append(tok)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
             self.counts[tok] += 1
             if tok in self.end_ids:
                 self.finish_reason = "stop"

@@ -20,7 +20,7 @@ from clover_export.core import names
 from clover_export.core.errors import CloverError
 from clover_export.runtime import step_io
 from clover_export.runtime.controls import COLUMNS, RowParams, param_row, thinking_open
-from clover_export.runtime.decoding import device
+from clover_export.runtime.decoding import device, logprobs
 from clover_export.runtime.decoding.base import RowOutput
 from clover_export.runtime.request import Request
 from clover_export.runtime.scheduler import StepPlan
@@ -188,7 +188,16 @@ class Runner:
         outs = []
         for req, row, got in zip(plan.requests, plan.rows, rows):
             out = RowOutput(block=got["block"], coreset=got["coreset"][0] / self.num_layers, tokens=got["tokens"],
-                            lead=got["lead"][0], ar_tokens=got["ar_tokens"], sampled=tuple(got["sampled"]))
+                            lead=got["lead"][0], ar_tokens=got["ar_tokens"], sampled=tuple(got["sampled"]),
+                            **logprob_fields(got))
             out.verdict = req.strategy.verdict(req, out, row)
             outs.append(out)
         return outs
+
+
+def logprob_fields(got: dict[str, list[int]]) -> dict[str, list]:
+    """The logprob columns of a read-back row (runtime/decoding/logprobs.py): floats from their bits."""
+    out = {name: logprobs.floats(got[name]) for name in ("lp_ar", "lp_draft", "lp_bonus", "top_lp", "blk_lp",
+                                                         "blk_top_lp") if name in got}
+    out.update({name: got[name] for name in ("top_ids", "blk_top_ids") if name in got})
+    return out

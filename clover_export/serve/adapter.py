@@ -17,9 +17,10 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from clover_export.core.errors import CloverError
+from clover_export.runtime import decoding as modes
 from clover_export.serve import tool_calls
 from clover_export.serve.protocol import (
     BODY_PARAMETERS,
@@ -58,6 +59,9 @@ class Submission:
     decoding: str | None = None  # the decoding mode it runs with (the request's or the model's default), set by prepare
     tools: ToolUse | None = None  # chat with tools: shown to the template, calls read from the answer
     grammar_spec: dict[str, Any] | None = None  # constraints' spec the answer keeps to, compiled by prepare
+    n: int = 1  # choices, each its own engine request (docs/serving.md, Choices)
+    logprobs: int | None = None  # alternatives per token when logprobs are asked for (docs/serving.md, Logprobs)
+    token_text: Any = None  # token id -> its text (the engine's tokenizer), set by prepare
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -86,10 +90,8 @@ def _include_usage(req: CommonParams) -> bool:
 def chat_submission(req: ChatRequest, default_thinking: bool,
                     tool_parser: type[tool_calls.StreamParser] | None = None) -> Submission:
     """`tool_parser`: the model's tool-call format (tool_calls.parser_for), None when it has none."""
-    if req.logprobs:
-        raise refuse("logprobs", "is not supported")
-    if req.top_logprobs is not None:
-        raise refuse("top_logprobs", "is not supported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise refuse("top_logprobs", "needs 'logprobs': true")
     spec = _response_format(req.response_format)
     tools = _tool_use(req, tool_parser)
     if tools is not None and tools.forced is not None and tools.parser is tool_calls.XmlToolCalls:
@@ -113,9 +115,11 @@ def chat_submission(req: ChatRequest, default_thinking: bool,
                                             "to the whole answer)")
         thinking = kw["enable_thinking"] = False
     messages = [_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(req.messages)]
+    if req.logprobs:
+        kw["logprobs"] = req.top_logprobs or 0
     return Submission(_drop_none(kw), chat=True, thinking=thinking, messages=messages, stream=bool(req.stream),
                       include_usage=_include_usage(req), logit_bias=req.logit_bias, tools=tools,
-                      grammar_spec=spec)
+                      grammar_spec=spec, n=req.n or 1, logprobs=kw.get("logprobs"))
 
 
 def _response_format(given: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -191,14 +195,13 @@ def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def completion_submission(req: CompletionRequest) -> Submission:
-    if req.logprobs:
-        raise refuse("logprobs", "is not supported")
     if req.echo or req.suffix is not None or req.best_of not in (None, 1):
         param = "echo" if req.echo else "suffix" if req.suffix is not None else "best_of"
         raise refuse(param, "is not supported")
     kw = _sampling(req)
+    kw["logprobs"] = req.logprobs
     sub = Submission(_drop_none(kw), chat=False, thinking=False, stream=bool(req.stream),
-                     include_usage=_include_usage(req), logit_bias=req.logit_bias)
+                     include_usage=_include_usage(req), logit_bias=req.logit_bias, n=req.n or 1, logprobs=req.logprobs)
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -249,6 +252,7 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
         except CloverError as e:
             raise api_error(e, sub.chat) from None
     sub.decoding = settings.decoding
+    sub.token_text = lambda i: gen.tokenizer.decode([i])
     if sub.ids is None:
         text = sub.text if sub.text is not None else _render(gen, sub, settings.enable_thinking)
         limit = gen.max_context * chars_per_token(gen.tokenizer)
@@ -405,19 +409,72 @@ def _partial_suffix(s: str, marker: str) -> int:
     return 0
 
 
-def usage(res) -> dict[str, Any]:
-    """OpenAI usage; `prompt_tokens_details.cached_tokens`: prompt tokens resumed from the prefix cache."""
-    return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.response_tokens,
-            "total_tokens": res.prompt_tokens + res.response_tokens,
-            "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
+def usage(results: list) -> dict[str, Any]:
+    """OpenAI usage over a request's choices: the prompt once (as OpenAI counts it), the choices' tokens summed;
+    `prompt_tokens_details.cached_tokens`: the first choice's prompt tokens resumed from the prefix cache."""
+    first, completion = results[0], sum(r.response_tokens for r in results)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
-def clover_stats(res, decoding: str | None = None) -> dict[str, Any]:
-    """The `clover` object: the request's decoding mode and the runtime's figures (DECODING.md 4, 5)."""
-    return {"decoding": getattr(res, "decoding", None) or decoding, "denoise_steps": res.denoise_steps,
-            "forwards": forwards(res), "tokens_per_forward": res.tokens_per_forward,
-            "accepted_per_forward": getattr(res, "accepted_per_forward", 0.0),
-            "distinct_experts_per_block": res.distinct_experts_per_block}
+def clover_stats(res, decoding: str | None = None, logprobs: bool = False) -> dict[str, Any]:
+    """The `clover` object: the request's decoding mode and the runtime's figures (DECODING.md 4, 5); with
+    logprobs, which distribution they are (`Strategy.logprobs_source`: docs/serving.md, Logprobs)."""
+    mode = getattr(res, "decoding", None) or decoding
+    stats = {"decoding": mode, "denoise_steps": res.denoise_steps,
+             "forwards": forwards(res), "tokens_per_forward": res.tokens_per_forward,
+             "accepted_per_forward": getattr(res, "accepted_per_forward", 0.0),
+             "distinct_experts_per_block": res.distinct_experts_per_block}
+    if logprobs:
+        stats["logprobs"] = modes.strategy(mode).logprobs_source
+    return stats
+
+
+# --- logprobs in OpenAI's shapes (docs/serving.md, Logprobs) --------------------------------------------------
+LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf (JSON has no infinities)
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR) if value == value else LOGPROB_FLOOR
+
+
+def chat_logprobs(sub: Submission, lps: list) -> dict[str, Any] | None:
+    """A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+    if sub.logprobs is None:
+        return None
+
+    def one(token: int, lp: float) -> dict[str, Any]:
+        text = sub.token_text(token)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
+
+    return {"content": [{**one(t.token, t.logprob), "top_logprobs": [one(i, v) for i, v in t.top[:sub.logprobs]]}
+                        for t in lps], "refusal": None}
+
+
+class CompletionLogprobs:
+    """A completions choice's `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}), its text offsets
+    counted across the stream's chunks."""
+
+    def __init__(self, sub: Submission):
+        self.sub, self.offset = sub, 0
+
+    def of(self, lps: list) -> dict[str, Any] | None:
+        if self.sub.logprobs is None:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in lps:
+            text = self.sub.token_text(t.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_lp(t.logprob))
+            out["top_logprobs"].append({self.sub.token_text(i): _lp(v) for i, v in t.top[:self.sub.logprobs]})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def choice_logprobs(sub: Submission, lps: list) -> dict[str, Any] | None:
+    return chat_logprobs(sub, lps) if sub.chat else CompletionLogprobs(sub).of(lps)
 
 
 def forwards(res) -> int:
@@ -491,8 +548,15 @@ class Reply:
         return "tool_calls" if self.calls and finish == "stop" else finish
 
 
-def response(sub: Submission, model: str, res) -> dict[str, Any]:
-    """The non-streaming body of a finished request."""
+def response(sub: Submission, model: str, results: list) -> dict[str, Any]:
+    """The non-streaming body of a finished request: one choice per Result, in order."""
+    choices = [_choice(sub, i, res) for i, res in enumerate(results)]
+    kind, prefix = ("chat.completion", "chatcmpl-") if sub.chat else ("text_completion", "cmpl-")
+    return {"id": prefix + sub.id, "object": kind, "created": sub.created, "model": model, "choices": choices,
+            "usage": usage(results), "clover": clover_stats(results[0], sub.decoding, sub.logprobs is not None)}
+
+
+def _choice(sub: Submission, index: int, res) -> dict[str, Any]:
     reply = Reply(sub)
     reasoning, content, calls = reply.parts(res.text)
     finish = reply.finish_reason(res.finish_reason)
@@ -502,19 +566,25 @@ def response(sub: Submission, model: str, res) -> dict[str, Any]:
             message["tool_calls"] = calls
         if sub.thinking:
             message["reasoning_content"] = reasoning
-        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        kind, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
-        kind, prefix = "text_completion", "cmpl-"
-    return {"id": prefix + sub.id, "object": kind, "created": sub.created, "model": model, "choices": [choice],
-            "usage": usage(res), "clover": clover_stats(res, sub.decoding)}
+        return {"index": index, "message": message, "finish_reason": finish,
+                "logprobs": choice_logprobs(sub, res.logprobs)}
+    return {"index": index, "text": content, "finish_reason": finish, "logprobs": choice_logprobs(sub, res.logprobs)}
+
+
+class At(NamedTuple):
+    """Where a streaming chunk stands: its choice's index, whether it is that choice's first chunk, and its
+    tokens' logprobs in the choice's shape (None: not asked, or none in this chunk)."""
+
+    index: int = 0
+    first: bool = False
+    logprobs: dict[str, Any] | None = None
 
 
 def chunk(sub: Submission, model: str, reasoning: str = "", content: str = "", finish: str | None = None,
-          first: bool = False, res=None, tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streaming chunk: a block's deltas, one tool-call delta, the finishing chunk, or (res given) the
-    usage chunk."""
+          at: At = At(), res=None, tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streaming chunk of choice `at.index`: a block's deltas, one tool-call delta, the finishing chunk, or
+    (res: the choices' Results) the usage chunk."""
+    index, first, logprobs = at
     if sub.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if content or first:
@@ -523,15 +593,16 @@ def chunk(sub: Submission, model: str, reasoning: str = "", content: str = "", f
             delta["reasoning_content"] = reasoning
         if tool_call is not None:
             delta["tool_calls"] = [tool_call]
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        choices = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
         kind, prefix = "chat.completion.chunk", "chatcmpl-"
     else:
-        choices = [{"index": 0, "text": content, "finish_reason": finish, "logprobs": None}]
+        choices = [{"index": index, "text": content, "finish_reason": finish, "logprobs": logprobs}]
         kind, prefix = "text_completion", "cmpl-"
     body = {"id": prefix + sub.id, "object": kind, "created": sub.created, "model": model,
             "choices": [] if res is not None else choices}
     if res is not None:
-        body["usage"], body["clover"] = usage(res), clover_stats(res, sub.decoding)
+        body["usage"] = usage(res)
+        body["clover"] = clover_stats(res[0], sub.decoding, sub.logprobs is not None)
     elif sub.include_usage:  # OpenAI: every chunk carries usage, null until the usage chunk
         body["usage"] = None
     return body

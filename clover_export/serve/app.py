@@ -29,6 +29,7 @@ from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve import adapter, doors, protocol, tool_calls
+from clover_export.serve.choices import Choices
 from clover_export.serve.connections import ConnectionLimits, body_timed_out
 from clover_export.serve.doors.common import Call, Outcome, Pieces, matched_stop, renamed, sse
 from clover_export.serve.engine import Engine, Event, Full, Job
@@ -358,80 +359,128 @@ async def _watch_client(request: Request, job: Job, eng: Engine) -> None:
 
 async def _generate(request: Request, sub: adapter.Submission, kwargs: dict[str, Any]):
     state, path = request.app.state, _endpoint(request)
-    job = Job(kwargs, asyncio.get_running_loop(), name=("chatcmpl-" if sub.chat else "cmpl-") + sub.id)
+    group = Choices(state.engine, kwargs, sub.n, ("chatcmpl-" if sub.chat else "cmpl-") + sub.id)
     try:
-        state.engine.submit(job)
+        group.start()
     except Full as e:
         raise _unavailable(e) from None
     deadline = time.monotonic() + state.options.request_timeout_s
     try:
-        first = await _next_event(job, request, deadline)
+        _, first = await _next_choice(group, request, deadline)
         if first.kind == "error":
             raise _failure(first.value, sub.chat)
         if sub.stream:
-            return StreamingResponse(_sse(job, sub, request, deadline), media_type="text/event-stream",
+            return StreamingResponse(_sse(group, sub, request, deadline), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        while True:
-            ev = await _next_event(job, request, deadline)
+        results: list = [None] * sub.n
+        while group.open:
+            i, ev = await _next_choice(group, request, deadline)
             if ev.kind == "error":
                 raise _failure(ev.value, sub.chat)
             if ev.kind == "done":
-                state.metrics.finished(path, 200, job, ev.value, sub.decoding)
-                return adapter.response(sub, state.options.model_id, ev.value)
+                results[i] = ev.value
+        state.metrics.finished(path, 200, group.jobs[0], results[0], sub.decoding)
+        return adapter.response(sub, state.options.model_id, results)
     except ClientGone:
         state.metrics.finished(path, 499)
         return Response(status_code=499)  # nobody reads it
+    finally:
+        if group.open and not sub.stream:  # failed: the choices still running leave (a stream's own: `_sse`)
+            group.close()
+
+
+async def _next_choice(group: Choices, request: Request, deadline: float):
+    """The next (choice, event) of the request's choices (`choices.Choices.next`); a 503 when the engine cannot
+    take the other choices."""
+    timeout = ApiError(408, "the request took longer than the server's request timeout", code="timeout")
+    try:
+        return await group.next(request, deadline, ClientGone, timeout)
+    except Full as e:
+        group.close()
+        raise _unavailable(e) from None
 
 
 def _data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(job: Job, sub: adapter.Submission, request: Request, deadline: float):
-    """One `data:` chunk per committed block (and one per tool-call delta it completes), the finishing chunk,
-    usage if asked, `[DONE]` (SERVING.md 1; docs/serving.md, Tool calls)."""
+@dataclass
+class _Streamed:
+    """One choice's stream: its reply's deltas, its logprobs' text offsets, whether its first chunk went."""
+
+    reply: adapter.Reply
+    logprobs: adapter.CompletionLogprobs
+    first: bool = True
+
+
+async def _sse(group: Choices, sub: adapter.Submission, request: Request, deadline: float):
+    """One `data:` chunk per committed block of each choice (and one per tool-call delta it completes), each
+    choice's finishing chunk, usage if asked, `[DONE]` (SERVING.md 1; docs/serving.md, Tool calls, Choices)."""
     state, model = request.app.state, request.app.state.options.model_id
-    reply = adapter.Reply(sub)
-    first, ended = True, False
+    streams = [_Streamed(adapter.Reply(sub), adapter.CompletionLogprobs(sub)) for _ in range(sub.n)]
+    results: list = [None] * sub.n
+    ended = False
     try:
-        while True:
+        while group.open:
             try:
-                ev = await _next_event(job, request, deadline)
+                i, ev = await _next_choice(group, request, deadline)
             except ApiError as e:  # timeout: the stream has begun, so the error goes in the stream
-                ev = Event("error", e)
+                i, ev = 0, Event("error", e)
             except ClientGone:
                 return
             if ev.kind == "block":
-                for reasoning, content, call in reply.push(ev.value.text, ev.value.finished):
-                    yield _data(adapter.chunk(sub, model, reasoning, content, first=first, tool_call=call))
-                    first = False
+                for body in _block_chunks(sub, model, streams[i], i, ev.value):
+                    yield _data(body)
             elif ev.kind == "done":
-                res = ev.value
-                *deltas, (reasoning, content, call) = reply.push("", True)
-                for r, c, t in deltas:
-                    yield _data(adapter.chunk(sub, model, r, c, first=first, tool_call=t))
-                    first = False
-                finish = reply.finish_reason(res.finish_reason)
-                yield _data(adapter.chunk(sub, model, reasoning, content, finish=finish, first=first, tool_call=call))
-                if sub.include_usage:
-                    yield _data(adapter.chunk(sub, model, res=res))
-                yield "data: [DONE]\n\n"
-                state.metrics.finished(_endpoint(request), 200, job, res, sub.decoding)
-                ended = True
-                return
-            else:
+                results[i] = ev.value
+                for body in _final_chunks(sub, model, streams[i], i, ev.value):
+                    yield _data(body)
+            elif ev.kind == "error":
                 err = _failure(ev.value, sub.chat)
                 yield _data(err.body())
                 yield "data: [DONE]\n\n"
                 state.metrics.finished(_endpoint(request), err.status)
                 ended = True
                 return
+        if sub.include_usage:
+            yield _data(adapter.chunk(sub, model, res=results))
+        yield "data: [DONE]\n\n"
+        state.metrics.finished(_endpoint(request), 200, group.jobs[0], results[0], sub.decoding)
+        ended = True
     finally:
-        if job.watcher is not None:
-            job.watcher.cancel()
-        if not ended:  # client gone: the row leaves the batch at the next step
-            state.engine.cancel(job)
+        group.close()  # client gone: the rows still running leave the batch at the next step
+        if not ended:
             state.metrics.finished(_endpoint(request), 499)
+
+
+def _block_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int, block) -> list[dict[str, Any]]:
+    """A block's chunks for choice `index`; the first carries the block's tokens' logprobs."""
+    out = []
+    lps = _chunk_logprobs(sub, st, block)
+    for reasoning, content, call in st.reply.push(block.text, block.finished):
+        out.append(adapter.chunk(sub, model, reasoning, content, at=adapter.At(index, st.first, lps), tool_call=call))
+        st.first, lps = False, None
+    return out
+
+
+def _final_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int, res) -> list[dict[str, Any]]:
+    """What the finished choice still holds back, then its finishing chunk."""
+    *deltas, (reasoning, content, call) = st.reply.push("", True)
+    out = []
+    for r, c, t in deltas:
+        out.append(adapter.chunk(sub, model, r, c, at=adapter.At(index, st.first), tool_call=t))
+        st.first = False
+    finish = st.reply.finish_reason(res.finish_reason)
+    out.append(adapter.chunk(sub, model, reasoning, content, finish=finish, at=adapter.At(index, st.first),
+                             tool_call=call))
+    return out
+
+
+def _chunk_logprobs(sub: adapter.Submission, st: _Streamed, block) -> dict[str, Any] | None:
+    """The block's tokens' logprobs in the choice's shape (None unless asked)."""
+    if sub.logprobs is None:
+        return None
+    return adapter.chat_logprobs(sub, block.logprobs) if sub.chat else st.logprobs.of(block.logprobs)
 
 
 # --- other front doors (clover_export/serve/doors): one loop for every door's Call -----------------------------------

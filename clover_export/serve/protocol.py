@@ -39,6 +39,8 @@ MAX_MESSAGES = 2048  # OpenAI's limit on `messages`; here also on the text parts
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits on `metadata`
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 MAX_TOOL_CHARS = 64 << 10  # one tool's definition as JSON text: it is written into every prompt
+MAX_CHOICES = 8  # `n`: each choice is a row of the batch
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on completions' `logprobs`
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's function names (so a name never holds markup)
 
 
@@ -199,7 +201,12 @@ BODY_PARAMETERS = tuple(p for p in generation.PARAMETERS if p.openai and "." not
 # The server's own ranged fields: accepted values, default, note.
 OWN_FIELDS: dict[str, tuple[Range, str, str]] = {
     "max_completion_tokens": (Range("int", 1), "max_tokens", "chat: the same as max_tokens, and wins over it"),
-    "n": (Range("int", 1, 1), "1", "one choice per request"),
+    "n": (Range("int", 1, MAX_CHOICES), "1", "choices, each its own row (the prompt computed once); seed + i "
+                                               "for choice i when a seed is given"),
+    "top_logprobs": (Range("int", 0, generation.MAX_TOP_LOGPROBS), "null",
+                     "chat, with logprobs true: the likeliest alternatives per token"),
+    "logprobs": (Range("int", 0, MAX_COMPLETION_LOGPROBS), "null",
+                 "completions: each token's log-probability and this many alternatives (chat: true or false)"),
     "block_size": (Range("int", 1), "the engine's", "must equal the engine's"),
 }
 # Accepted values of each ranged field (SERVING.md 5): the table's, OpenAI's where narrower for OpenAI's fields.
@@ -324,8 +331,8 @@ class NamedToolChoice(BaseModel):
 class ChatRequest(CommonParams):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: ranged("max_completion_tokens") = None
-    logprobs: bool | None = None  # refused when true
-    top_logprobs: int | None = None  # refused unless null
+    logprobs: bool | None = None
+    top_logprobs: ranged("top_logprobs") = None  # only with logprobs: true (the adapter)
     response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # each one's size: the adapter
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -335,7 +342,7 @@ class ChatRequest(CommonParams):
 
 class CompletionRequest(CommonParams):
     prompt: Any  # a string, a list of one string, or token ids: checked by the adapter, which says which
-    logprobs: int | None = None  # refused unless null or 0
+    logprobs: ranged("logprobs") = None
     echo: bool | None = None  # refused when true
     best_of: int | None = None  # refused unless 1
     suffix: str | None = None  # refused unless null

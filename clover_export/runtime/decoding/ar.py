@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from clover_export.runtime.decoding.base import DeviceWork, Phase, RowOutput, Rows, Strategy, Verdict
 from clover_export.runtime.decoding.grammar import allowed_prefix, commit, mask_logit_rows
+from clover_export.runtime.decoding.logprobs import verified
 
 
 @dataclass
@@ -95,7 +96,9 @@ class Ar(Strategy):
         req.phase = Phase.SPEC
         if req.grammar is not None:
             commit(req.grammar, new)
-        if req.append(new):
+        lps = verified(out, req.params.logprobs, v.accepted, v.bonus, st.draft, out.sampled[0] >= 0) \
+            if req.wants_logprobs else None
+        if req.append(new, lps):
             books.finish(req)
             return True
         st.draft = v.draft[:draft_room(req)] if full else []

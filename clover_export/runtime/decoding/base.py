@@ -74,6 +74,17 @@ class RowOutput:
     ar_tokens: list[int] = field(default_factory=list)
     sampled: tuple[int, int] = (-1, -1)
     verdict: Verdict | None = None
+    # logprobs (runtime/decoding/logprobs.py), for rows that asked: per logit row the AR token's and the draft
+    # token's log-probability, a sampled bonus's, and the row's top k (ids, log-probabilities), flat [R * k]
+    lp_ar: list[float] = field(default_factory=list)
+    lp_draft: list[float] = field(default_factory=list)
+    lp_bonus: list[float] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)
+    top_lp: list[float] = field(default_factory=list)
+    # low_confidence: per block position its token's log-probability in this step's block distribution, top k
+    blk_lp: list[float] = field(default_factory=list)
+    blk_top_ids: list[int] = field(default_factory=list)
+    blk_top_lp: list[float] = field(default_factory=list)
 
 
 class Strategy:
@@ -83,6 +94,7 @@ class Strategy:
     device_work: ClassVar[frozenset[DeviceWork]]
     block_alignment: ClassVar[bool] = True  # the model's block_alignment applies (False: blocks follow the prompt)
     drafts: ClassVar[bool] = False  # reports accepted draft tokens per verifying forward (serve/metrics.py)
+    logprobs_source: ClassVar[str] = "causal"  # the distribution its logprobs come from (docs/serving.md, Logprobs)
     logit_hook: ClassVar[bool] = False  # True: `mask_logits` runs on the device for its rows every step
     grammar_mode: ClassVar[str] = ""  # the mode a request with a grammar runs in (runtime/decoding/grammar.py)
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from clover_export.runtime.controls import RowParams, apply_controls_
-from clover_export.runtime.decoding import speculative
+from clover_export.runtime.decoding import device_logprobs, speculative
 from clover_export.runtime.decoding.base import DeviceWork
 from clover_export.runtime.selector import Controls, choose, draw, fill, sampling_probs
 
@@ -62,6 +62,7 @@ def run(step: DeviceStep) -> dict[str, torch.Tensor] | None:
     verifying = step.rows(DeviceWork.VERIFY)
     if not any(step.plan.has_block) and not verifying:  # prefill or commit rows only: nothing to read
         return None
+    causal_lp, block_lp = device_logprobs.asked_causal(step), device_logprobs.asked_block(step)  # raw logits'
     apply_logit_hooks(step)
     ar_tokens, sampled = verify(step, verifying)
     tok, conf = select(step)
@@ -69,7 +70,9 @@ def run(step: DeviceStep) -> dict[str, torch.Tensor] | None:
     block = fill_blocks(step, tok, conf)
     # the leading confident block positions after position 0: a drafting row's next draft (DECODING.md 5)
     lead = (conf[:, 1:] > step.params.draft_threshold[:, None]).int().cumprod(1).sum(1, keepdim=True)
-    return {"block": block, "tokens": tok, "lead": lead, "ar_tokens": ar_tokens, "sampled": sampled}
+    return {"block": block, "tokens": tok, "lead": lead, "ar_tokens": ar_tokens, "sampled": sampled,
+            **device_logprobs.causal_columns(step, causal_lp, ar_tokens, sampled),
+            **device_logprobs.block_columns(step, block_lp, block)}
 
 
 def apply_logit_hooks(step: DeviceStep) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections import Counter
 
 from clover_export.runtime.decoding.base import DeviceWork, Phase, RowOutput, Rows, Strategy
+from clover_export.runtime.decoding.logprobs import filled
 
 
 class LowConfidence(Strategy):
     name = "low_confidence"
     grammar_mode = "self_spec"  # positions filled out of order: a left-to-right grammar masks self_spec's rows
     device_work = frozenset({DeviceWork.SELECT, DeviceWork.FILL})
+    logprobs_source = "block"  # the block distribution at the step each token was committed
 
     def rows(self, req, chunk: list[int] | None, fold_commit: bool) -> Rows:
         if req.phase is Phase.PREFILL:
@@ -60,6 +62,8 @@ class LowConfidence(Strategy):
     def _denoised(req, out: RowOutput, books) -> bool:
         """The block after a denoise step; when resolved its tokens join the response (True)."""
         req.pending_commit = []
+        if req.wants_logprobs:
+            req.block_logprobs.update(filled(out, req.params.logprobs, req.block, req.mask_id))
         req.block = out.block
         req.denoise_steps += 1
         req.block_steps += 1
