@@ -5,7 +5,7 @@
 
 Re-quantizes the build's onnx-fp32 with the calibrated amax times each factor and prints top-1
 agreement and logit error against onnx-fp32 on the held-out prompts (the figures the FP8 gate and
-tests/test_fp8_graph.py's trained-default thresholds are set from). Writes only to a temporary folder.
+tests/quantize/test_fp8_graph.py's trained-default thresholds are set from). Writes only to a temporary folder.
 """
 
 from __future__ import annotations

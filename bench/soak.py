@@ -2,7 +2,7 @@
 
     python bench/soak.py                          # 60 minutes, a sample every 30 s
     python bench/soak.py --minutes 10 --sample-s 15
-    python bench/soak.py --minutes 1 --sample-s 3 --clients 3      # test-sized (tests/test_soak.py)
+    python bench/soak.py --minutes 1 --sample-s 3 --clients 3      # test-sized (tests/project/test_soak.py)
 
 The server listens on 127.0.0.1 only and every request goes there; the request loops stop at the
 deadline or after `--max-requests`, whichever comes first; a request still running `--grace-s` after the

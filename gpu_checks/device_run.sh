@@ -12,7 +12,7 @@ E2E="${1:-280}"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
   echo "== triton backend on the embedded default"; timeout -k 5 100 python3 gpu_checks/triton_backend_gpu.py --dtype fp32; echo "rc $?"
   echo "== MoE AOT sub-op chain"; timeout -k 5 90 python3 gpu_checks/moe_trt_chain_gpu.py; echo "rc $?"
-  echo "== runtime CUDA tests"; timeout -k 5 80 python3 -m pytest -q -p no:cacheprovider -x tests/test_runtime_cuda.py 2>&1 | tail -15; echo "rc $?"
+  echo "== runtime CUDA tests"; timeout -k 5 80 python3 -m pytest -q -p no:cacheprovider -x tests/runtime/test_runtime_cuda.py 2>&1 | tail -15; echo "rc $?"
 } 2>&1 | tee "$OUT/device_checks.log"
 if [ "$E2E" != 0 ]; then
   echo "== e2e"; bash bench/e2e_gpu.sh --budget-s "$E2E" > "$OUT/e2e_stdout.log" 2>&1; echo "e2e rc $?"; tail -40 "$OUT/e2e_stdout.log"

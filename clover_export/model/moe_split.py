@@ -4,7 +4,7 @@ TensorRT launches each AOT plugin as one kernel with no workspace, so the
 routed experts (`clover::CoresetMoE`, MODEL.md 5.3) become: router logits
 (a plain MatMul in the graph), `route_core`, `align_core`, `gate_up_core`,
 `down_core`, `combine_core`, with every intermediate a graph tensor.
-Composed they equal `moe_core` (tests/test_moe_trt_chain.py). Pairs are the
+Composed they equal `moe_core` (tests/plugins/test_moe_trt_chain.py). Pairs are the
 B*T*k (token, slot) routing choices in row-major [B, T, k] order; a slot
 left unused (fewer than k experts kept) has id E and weight 0.
 """

@@ -14,7 +14,7 @@ on the meta device); the other weights are cast into reused buffers too.
 The embedding and lm_head can be handed over already read (`preloaded`: the
 slice validation's, in a build). The model's own `step` runs unchanged (but for the MoE
 core, below), so calibration hooks on its Linear modules see what the whole
-model would show them (tests/test_build_fullsize.py compares the two).
+model would show them (tests/pipeline/test_build_fullsize.py compares the two).
 
 The reference `moe_core` is dense over experts (no data-dependent control
 flow, as the graph needs): 256 experts x every row is ~1.6 GFLOP per token

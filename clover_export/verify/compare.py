@@ -28,7 +28,7 @@ import numpy as np
 from clover_export.verify.runners import REFERENCE_EVALUATOR
 
 # max abs error of fp32 graphs, relative to the output's scale once that exceeds 1. The function bodies reproduce
-# the cores within 1e-4 (tests/test_export_ops.py), but a whole step at the shapes the graph runs with (8 rows x
+# the cores within 1e-4 (tests/plugins/test_export_ops.py), but a whole step at the shapes the graph runs with (8 rows x
 # 256 causal rows, trained tiny) is not that exact in fp32 even for the reference model: there its own max error
 # against an evaluation with the GDN recurrence and linears in float64 reached 0.9e-4 (present.3.key) and
 # 2.2e-4 (present.7.key) of scale (the gated norm amplifies near-zero GDN outputs, see the module docstring),

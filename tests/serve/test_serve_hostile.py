@@ -567,7 +567,7 @@ def test_docs_render_the_ranges_table():
     """docs/serving.md shows the very table the validation reads."""
     from pathlib import Path
 
-    doc = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
     table = doc.split("<!-- ranges: rendered by clover_export.serve.protocol.ranges_markdown() -->\n")[1]
     assert table.split("\n<!-- /ranges -->")[0] == protocol.ranges_markdown()
     assert f"nesting at most {protocol.MAX_JSON_DEPTH} levels" in doc

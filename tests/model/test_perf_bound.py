@@ -15,7 +15,7 @@ H200_COPY = 4.14e12  # bytes/s, the bandwidth PERF.md's table uses
 
 @pytest.fixture(scope="module")
 def full():
-    path = Path(__file__).resolve().parents[1] / "clover_export/data/clover_35b_a3b_config.json"
+    path = Path(__file__).resolve().parents[2] / "clover_export/data/clover_35b_a3b_config.json"
     return config_from_dict(json.loads(path.read_text()))
 
 

@@ -141,7 +141,7 @@ def test_the_docs_list_every_field_and_each_backends_own():
 
     from clover_export.runtime.config import BACKEND_FIELDS
 
-    doc = (Path(__file__).parents[1] / "docs" / "runtime.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "runtime.md").read_text()
     section = doc.split("## Runtime configuration")[1].split("\n## ")[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
     listed = [name.strip().strip("`") for cell in rows for name in cell.split(",")]

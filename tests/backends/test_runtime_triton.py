@@ -423,7 +423,7 @@ def test_fp8_experts_read_from_an_fp8_artifact_are_its_e4m3_bytes_and_scales(tmp
     from clover_export.model.loading import load_model
     from clover_export.quantize.scales import quantize_weight
     from clover_export.tiny import generate_random_tiny
-    from tests.test_fp8_graph import build_fp8
+    from tests.quantize.test_fp8_graph import build_fp8
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model_dir = generate_random_tiny(tmp_path / "model", seed=7, dtype=torch.float32, num_hidden_layers=2,

@@ -10,7 +10,7 @@ from urllib.parse import unquote
 import pytest
 from markdown_it import MarkdownIt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "CHANGELOG.md", "bench/README.md", "gpu_checks/README.md",
         *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 

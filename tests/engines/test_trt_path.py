@@ -271,7 +271,7 @@ def test_broken_tensorrt_is_reported_not_called_missing(broken_tensorrt, bf16_ex
     with pytest.raises(CloverError, match="no engine was built: TensorRT is installed but cannot be imported"):
         BuildContext(BuildOptions(require_engine=True), tmp_path, Stages(tmp_path)).run(engine(str(out)))
     r = subprocess.run([sys.executable, "-m", "clover_export.cli", "doctor"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": f"{broken_tensorrt}:{Path(__file__).parents[1]}"})
+                       env={**os.environ, "PYTHONPATH": f"{broken_tensorrt}:{Path(__file__).parents[2]}"})
     assert "tensorrt: installed but broken (ImportError: libnvinfer.so.10" in r.stdout, r.stdout + r.stderr
     assert "TensorRT is installed but cannot be imported" in r.stdout
 

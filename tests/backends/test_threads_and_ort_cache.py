@@ -201,7 +201,7 @@ def test_a_test_run_leaves_no_temporary_folder(tmp_path):
     env["TMPDIR"] = str(tmp)
     run = tmp_path / "run"  # a test of its own beside a copy of this suite's conftest.py
     run.mkdir()
-    shutil.copy(Path(__file__).with_name("conftest.py"), run / "conftest.py")
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", run / "conftest.py")
     (run / "test_probe.py").write_text(
         "import os, pathlib, tempfile\n"
         "def test_the_cache_is_a_temp_folder_and_written():\n"

@@ -484,7 +484,7 @@ def test_self_spec_equals_ar_on_onnx_runtime():
 TRITON_CHILD = """
 import json
 from clover_export.runtime import Generator
-import tests.test_lossless as t
+import tests.runtime.test_lossless as t
 gen = Generator.load(None, backend="triton", device="cpu", dtype="fp32", max_slots=3, prefill_chunk=64)
 print("RESULT " + json.dumps(t._spec_case(gen, max_new_tokens=10)))
 """
@@ -499,7 +499,7 @@ def test_self_spec_equals_ar_on_the_triton_kernels():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
     proc = subprocess.run([sys.executable, "-c", TRITON_CHILD], env=env, capture_output=True, text=True,
                           timeout=1200, cwd=root)

@@ -14,7 +14,7 @@ from clover_export.runtime.golden import read_golden, write_golden
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_tool():

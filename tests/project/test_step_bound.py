@@ -15,7 +15,7 @@ from clover_export.core.config import config_from_dict
 from clover_export.model import perf_bound
 from clover_export.testing.fullsize import full_size_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("B,C,N,experts,fp8,gb,ms", [
