@@ -9,7 +9,7 @@ the block's expert coreset when it is enabled. The shared expert stays outside.
 rows routed to it only (what the torch backend runs on the CPU; never traced:
 its loop depends on the routing). Each row sums the same expert terms in the
 same expert order; `moe_core` adds exact zeros for the others, so the two
-differ only by the GEMMs' rounding over fewer rows (tests/test_moe_gathered.py).
+differ only by the GEMMs' rounding over fewer rows (tests/backends/test_torch_backend_eager.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The backbone anchor in bf16 (MODEL.md 4 cast points): transformers' Qwen3_5MoeForCausalLM in bf16 against
-our reference model in bf16, on the same weights (the fp32 anchor is tests/test_backbone_anchor.py).
+our reference model in bf16, on the same weights (the fp32 anchor is tests/model/test_backbone_anchor.py).
 
 In bf16 the two differ by rounding-order noise (a bf16 value one ulp apart here
 and there, e.g. the GDN core's fp32 result landing either side of a bf16

@@ -1,6 +1,6 @@
 """The coreset boundary at fp32 ties (tests/coreset_tie_case.py) in torch's moe_core and the ONNX body.
 
-The Triton kernel plays the same case in tests/test_kernels_interpret.py
+The Triton kernel plays the same case in tests/plugins/test_kernels_interpret.py
 (`moe_tie_*`). All follow assumed.coreset_mask's rule.
 """
 

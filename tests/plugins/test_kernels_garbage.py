@@ -14,7 +14,7 @@ aliasing their inputs), under the Triton interpreter, on out-of-range, extreme a
 - leave the canary bytes around every tensor, and every input that is not an output, bitwise unchanged.
 
 The checks run in one child process (this file executed with TRITON_INTERPRET=1, as
-tests/test_kernels_interpret.py does); each pytest test reads its case's result.
+tests/plugins/test_kernels_interpret.py does); each pytest test reads its case's result.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def gdn_case(B=2, Hk=2, Hv=4, dk=16, dv=16, K=4, N=5, Tc=19, S=3, nc=(19, 2), ch
 
 
 def gdn_trained_like_case(Tc=128, chunk=32, split=True):
-    """Keys sharing a direction, slow decay, beta ~1, dk = 128 (tests/test_gdn_numerics.py): the kernel's
+    """Keys sharing a direction, slow decay, beta ~1, dk = 128 (tests/plugins/test_gdn_numerics.py): the kernel's
     chunk inverse must not cancel (STEP_GRAPH.md 2)."""
     from test_gdn_numerics import trained_like_case
 

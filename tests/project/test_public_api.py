@@ -73,7 +73,7 @@ def test_unknown_names_fail_and_subpackages_still_import():
 
 
 def test_no_module_of_the_package_imports_the_public_surface():
-    """The surface sits above every layer (tests/test_imports.py); a module reaching it through
+    """The surface sits above every layer (tests/project/test_imports.py); a module reaching it through
     `from clover_export import build` would hide a cycle behind the lazy lookup."""
     offenders = []
     for path in ROOT.rglob("*.py"):

@@ -211,7 +211,7 @@ def test_prompt_problems_are_rejected(model, tiny_dir):
 
 
 def test_config_gates(model, tiny_dir):
-    backend = TorchBackend(model, tiny_dir)  # logits_shift is supported now: tests/test_logits_shift.py
+    backend = TorchBackend(model, tiny_dir)  # logits_shift is supported now: tests/runtime/test_logits_shift.py
     backend.cfg = model.cfg.replace(mask_token_id=None)
     with pytest.raises(CloverError, match="mask_token_id"):
         Generator(backend, tiny_dir)
