@@ -15,10 +15,12 @@ committed response) and the bitmask rows it fills each step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the scheduler imports the strategies without tensor libraries; a grammar brings them
+    import torch
 
-from clover_export.constraints import Matcher, allocate_bitmask, apply_bitmask_
+    from clover_export.constraints import Matcher
 
 
 @dataclass
@@ -29,6 +31,8 @@ class RequestGrammar:
 
     @classmethod
     def start(cls, grammar, block_size: int) -> "RequestGrammar":
+        from clover_export.constraints import allocate_bitmask
+
         m = grammar.matcher()
         return cls(m, allocate_bitmask(block_size + 1, m.vocab), allocate_bitmask(1, m.vocab))
 
@@ -36,6 +40,8 @@ class RequestGrammar:
 def mask_logit_rows(g: RequestGrammar, draft: list[int], causal_logits: torch.Tensor) -> None:
     """causal_logits [R, V]: row i (i <= len(draft)) to -inf where the grammar refuses the token after the
     draft's first i tokens. Rows past the first refused draft token stay as they are: acceptance stops there."""
+    from clover_export.constraints import apply_bitmask_
+
     ok = g.matcher.fill_draft_masks(draft, g.rows[:len(draft) + 1])
     apply_bitmask_(causal_logits, g.rows, list(range(ok + 1)))
 
@@ -43,6 +49,8 @@ def mask_logit_rows(g: RequestGrammar, draft: list[int], causal_logits: torch.Te
 def mask_block(g: RequestGrammar, draft: list[int], block_logits: torch.Tensor) -> None:
     """block_logits [N, V]: position j masked under the state after the draft and the greedy choices of the
     positions before j, in order, until the grammar is complete; the matcher is left as it was."""
+    from clover_export.constraints import apply_bitmask_
+
     m = g.matcher
     accepted = len(allowed_prefix(g, draft))
     for token in draft[:accepted]:
