@@ -14,8 +14,12 @@ its next request when the previous one ends) draw from a fixed-seed mix:
   (the prefix cache resumes them);
 - streams the client cancels after the first chunk (closing the connection);
 - hostile bodies: malformed JSON (400), an oversize body (413), a bad field (400). Their statuses are the
-  deliberate errors; any other non-200 status, or a transport error, is an error.
-Tool calls and JSON schemas are not in the mix: the server has neither yet.
+  deliberate errors; any other non-200 status, or a transport error, is an error;
+- the API agents send: `response_format` json_schema (the answer must parse and validate unless cut by
+  `max_tokens`), tools with a forced or automatic `tool_choice` (a forced call must come back as a call
+  whose arguments validate), `logprobs` with `n` 2 (one logprob per token of each choice), and the
+  Anthropic Messages and OpenAI Responses doors. An answer that breaks its promise is an error
+  (`invalid: why`).
 
 Every `--sample-s` seconds: the server's RSS (/proc/PID/status VmRSS); from /metrics (parsed with
 prometheus_client's text parser) the rows holding a slot, the requests waiting, the prefix cache's
@@ -60,8 +64,15 @@ QUESTIONS = ("Sort: 5 3 7", "Reverse: 2 8 2 7 9", "Sort: 0 9 1 7 5 4", "What is 
              "Sort: 6 8 9 1", "Hi", "Tell me a story")
 # scenario -> weight; each is one client-side coroutine below
 MIX = {"completion": 3, "completion_stream": 3, "chat": 3, "chat_stream": 3, "multi_turn": 2, "cancel_stream": 1,
+       "json_schema": 1, "tool_call": 1, "logprobs_n": 1, "messages_door": 0.5, "responses_door": 0.5,
        "malformed_json": 0.3, "oversize": 0.3, "bad_field": 0.4}
 DELIBERATE = {"malformed_json": 400, "oversize": 413, "bad_field": 400}
+# bounded, so that a weak model's answer ends well inside STRUCTURED_MAX_TOKENS
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "sorted": {"type": "boolean"}}, "required": ["answer", "sorted"]}
+TOOLS = [{"type": "function", "function": {"name": "sort_digits", "parameters": {
+    "type": "object", "properties": {"digits": {"type": "string", "maxLength": 12}}, "required": ["digits"]}}}]
+STRUCTURED_MAX_TOKENS = 120
 
 
 @dataclass
@@ -190,6 +201,7 @@ class Traffic:
         self.url, self.o = url, o
         self.outcomes: list[Outcome] = []
         self.started = 0
+        self.model_name: str | None = None
 
     def body(self, rng: random.Random, chat: bool, stream: bool, messages=None) -> dict:
         common = {"max_tokens": rng.choice([8, 16, self.o.max_tokens]), "temperature": 0, "stream": stream,
@@ -239,6 +251,8 @@ class Traffic:
                                      {"role": "user", "content": rng.choice(QUESTIONS)}]
                 body["messages"][-2].pop("reasoning_content", None)
             return 200
+        if name in AGENT_SCENARIOS:
+            return await AGENT_SCENARIOS[name](self, client, rng)
         if name == "malformed_json":
             return (await self.post(client, True, b'{"messages": [{"role": "user", "content": "hi"}'))[0]
         if name == "oversize":
@@ -246,6 +260,72 @@ class Traffic:
         body = self.body(rng, False, False) | rng.choice([{"temperature": "hot"}, {"max_tokens": -3},
                                                           {"decoding": "fastest"}, {"top_p": 7}])
         return (await self.post(client, False, body))[0]
+
+    async def json_schema(self, client, rng: random.Random) -> int | str:
+        body = self.body(rng, True, False) | {"max_tokens": STRUCTURED_MAX_TOKENS, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}}
+        status, done = await self.post(client, True, body)
+        if status != 200 or done["choices"][0]["finish_reason"] == "length":
+            return status
+        try:
+            answer = json.loads(done["choices"][0]["message"]["content"])
+        except json.JSONDecodeError:
+            return "invalid: not JSON"
+        ok = (isinstance(answer, dict) and set(answer) == {"answer", "sorted"} and type(answer["answer"]) is int
+              and 0 <= answer["answer"] <= 999 and isinstance(answer["sorted"], bool))
+        return 200 if ok else "invalid: against the schema"
+
+    async def tool_call(self, client, rng: random.Random) -> int | str:
+        choice = rng.choice(["required", {"type": "function", "function": {"name": "sort_digits"}}, "auto"])
+        body = self.body(rng, True, False) | {"max_tokens": STRUCTURED_MAX_TOKENS, "tools": TOOLS,
+                                               "tool_choice": choice}
+        status, done = await self.post(client, True, body)
+        if status != 200 or choice == "auto" or done["choices"][0]["finish_reason"] == "length":
+            return status
+        calls = done["choices"][0]["message"].get("tool_calls") or []
+        if done["choices"][0]["finish_reason"] != "tool_calls" or len(calls) != 1:
+            return "invalid: a forced call did not come back as one call"
+        try:
+            args = json.loads(calls[0]["function"]["arguments"])
+        except json.JSONDecodeError:
+            return "invalid: arguments not JSON"
+        ok = calls[0]["function"]["name"] == "sort_digits" and isinstance(args.get("digits"), str)
+        return 200 if ok else "invalid: arguments against the schema"
+
+    async def logprobs_n(self, client, rng: random.Random) -> int | str:
+        body = self.body(rng, True, False) | {"logprobs": True, "top_logprobs": 2, "n": 2}
+        status, done = await self.post(client, True, body)
+        if status != 200:
+            return status
+        if len(done["choices"]) != 2:
+            return "invalid: n choices"
+        for c in done["choices"]:
+            content = (c.get("logprobs") or {}).get("content")
+            if content is None or any(len(t["top_logprobs"]) != 2 or t["logprob"] > 0 for t in content):
+                return "invalid: logprobs"
+        return 200
+
+    async def model(self, client) -> str:
+        """The served model's name (the doors require it): /v1/models, asked once."""
+        if self.model_name is None:
+            self.model_name = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
+        return self.model_name
+
+    async def messages_door(self, client, rng: random.Random) -> int | str:
+        body = {"model": await self.model(client), "max_tokens": rng.choice([8, 16]), "messages": [
+            {"role": "user", "content": rng.choice(QUESTIONS)}], "system": rng.choice(SYSTEMS)}
+        r = await client.post(self.url + "/v1/messages", json=body)
+        if r.status_code == 200 and r.json().get("type") != "message":
+            return "invalid: not a message"
+        return r.status_code
+
+    async def responses_door(self, client, rng: random.Random) -> int | str:
+        body = {"model": await self.model(client), "max_output_tokens": rng.choice([8, 16]),
+                "input": rng.choice(QUESTIONS), "instructions": rng.choice(SYSTEMS)}
+        r = await client.post(self.url + "/v1/responses", json=body)
+        if r.status_code == 200 and r.json().get("object") != "response":
+            return "invalid: not a response"
+        return r.status_code
 
     async def client(self, i: int, stop_at: float) -> None:
         rng = random.Random(self.o.seed * 1000 + i)
@@ -272,6 +352,10 @@ class Traffic:
             await asyncio.wait_for(clients, stop_at + self.o.grace_s - time.monotonic())
         except asyncio.TimeoutError:
             pass
+
+
+AGENT_SCENARIOS = {"json_schema": Traffic.json_schema, "tool_call": Traffic.tool_call, "logprobs_n": Traffic.logprobs_n,
+                   "messages_door": Traffic.messages_door, "responses_door": Traffic.responses_door}
 
 
 # --- sampling and judging ----------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -199,6 +200,7 @@ class Generator:
         self.handles: dict[int, Stream] = {}
         self.source_dir = source_dir
         self._grammar_vocab = None
+        self._grammar_vocab_lock = threading.Lock()  # requests are prepared on several threads at once
 
     @classmethod
     def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
@@ -231,12 +233,13 @@ class Generator:
     def grammar_vocab(self):
         """The vocabulary grammars for this model are compiled for (`constraints.compile(spec, vocab)`): its
         tokenizer, the logits' width, the end tokens of a request that keeps the default `eos_token_id`."""
-        if self._grammar_vocab is None:
-            from clover_export.constraints import tokenizer_info
+        with self._grammar_vocab_lock:  # one object: a grammar is checked against it by identity
+            if self._grammar_vocab is None:
+                from clover_export.constraints import tokenizer_info
 
-            end_ids = sorted(frozenset(self.defaults.eos_token_id) | self.extra_end_ids)
-            self._grammar_vocab = tokenizer_info(self.source_dir, self.cfg.vocab_size, end_ids)
-        return self._grammar_vocab
+                end_ids = sorted(frozenset(self.defaults.eos_token_id) | self.extra_end_ids)
+                self._grammar_vocab = tokenizer_info(self.source_dir, self.cfg.vocab_size, end_ids)
+            return self._grammar_vocab
 
     def constrained(self, settings: GenerationSettings, grammar: Any) -> GenerationSettings:
         """A constrained request's settings: `low_confidence` runs as `self_spec` (a left-to-right grammar

@@ -111,7 +111,8 @@ class Request:
     def take_block(self) -> bool:
         """Append the resolved block's response tokens; True when the request is done (DECODING.md 1.5)."""
         self.blocks += 1
-        lps = [self.block_logprobs[i] for i in range(self.tail, self.block_size)] if self.wants_logprobs else None
+        # early stop leaves positions after the end token masked, with no logprob: `append` stops before them
+        lps = [self.block_logprobs.get(i) for i in range(self.tail, self.block_size)] if self.wants_logprobs else None
         return self.append(self.block[self.tail:], lps)
 
     @property

@@ -30,7 +30,8 @@ def test_a_minute_of_mixed_traffic_passes_the_soak_criteria(tmp_path):
     rep = soak.run(soak.Options(minutes=minutes, sample_s=3, clients=3, max_tokens=32, warmup_frac=0.15, grace_s=30,
                                 out=str(tmp_path / "soak"), plot=False))
     assert set(rep.criteria) == {"rss", "drained", "cache_budget", "errors", "p99"}
-    assert {name for name, n in rep.counts.items() if n["n"]} >= {"completion", "chat_stream", "multi_turn"}
+    ran = {name for name, n in rep.counts.items() if n["n"]}
+    assert ran >= {"completion", "chat_stream", "multi_turn", "json_schema", "tool_call", "logprobs_n"}, rep.counts
     assert sum(n["n"] for n in rep.counts.values()) >= 30, rep.counts  # traffic enough to mean something
     failed = {name: detail for name, (ok, detail) in rep.criteria.items() if not ok}
     assert not failed, failed

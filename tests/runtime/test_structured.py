@@ -116,3 +116,14 @@ def test_sampled_requests_under_a_schema_give_valid_json(gen, mode):
                          do_sample=True, seed=seed, draft_threshold=0.0)
         assert r.finish_reason == "stop", r.text
         jsonschema.validate(json.loads(r.text), SCHEMA)
+
+
+def test_threads_preparing_requests_at_once_share_one_grammar_vocabulary(tiny_dir):
+    """The server prepares requests on several threads; a grammar is checked against `grammar_vocab()` by
+    identity, so every thread must get the same object (two had made two, and a request met a 400)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fresh = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=1, prefix_cache=False)
+    with ThreadPoolExecutor(8) as pool:
+        vocabs = list(pool.map(lambda _: fresh.grammar_vocab(), range(8)))
+    assert all(v is vocabs[0] for v in vocabs)
