@@ -190,7 +190,7 @@ def test_ray_serve_two_cpu_replicas_give_the_same_answers(tiny_dir):
             extra_body={"chat_template_kwargs": {"enable_thinking": False}},
         )
         assert chat.choices[0].message.content == ref.generate("Hi", max_new_tokens=8, enable_thinking=False).content
-        bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "n": 2})
+        bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "n": 9})  # n is 1 to 8
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(120)
