@@ -120,3 +120,26 @@ def tiny_fp32_export(tiny_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-export") / "onnx-fp32"
     export(tiny_dir, out, dtype="fp32", max_batch=1)
     return out
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_dir):
+    """(transformers' Qwen3_5MoeForCausalLM on the embedded default's weights (its Clover block tensors left
+    out), its tokenizer, the mask token id): the independent reference for the causal model's logprobs."""
+    transformers = pytest.importorskip("transformers")
+    import glob
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    clover_only = ("architectures", "model_type", "block_size", "mask_token_id", "max_context", "torch_dtype",
+                   "moe_block_coreset_enabled", "moe_block_coreset_top_p")
+    hf = transformers.Qwen3_5MoeForCausalLM(
+        transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.items() if k not in clover_only})).eval()
+    weights = {}
+    for f in glob.glob(str(tiny_dir / "*.safetensors")):
+        weights.update({k: v.float() for k, v in load_file(f).items()})
+    loaded = hf.load_state_dict(weights, strict=False)
+    assert not loaded.missing_keys  # every upstream tensor is the checkpoint's
+    return hf, transformers.AutoTokenizer.from_pretrained(str(tiny_dir)), cfg["mask_token_id"]

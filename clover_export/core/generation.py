@@ -185,6 +185,10 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("logprobs", None, Range("int", 0, MAX_TOP_LOGPROBS),
               "Report each response token's log-probability and this many likeliest alternatives (docs/serving.md, "
               "Logprobs; `generate --json` prints them); unset: none", cli="--logprobs"),
+    Parameter("prompt_logprobs", None, Range("int", 0, MAX_TOP_LOGPROBS),
+              "Report each prompt token's log-probability under the causal model (the first token has none) and this "
+              "many likeliest alternatives (docs/runtime.md, Prompt logprobs); the prompt is computed whole, not "
+              "resumed from the prefix cache; unset: none", cli="--prompt-logprobs"),
     Parameter("draft_threshold", DRAFT_THRESHOLD, Range("real", 0, 1),
               "self_spec: how confident a block position must be to be drafted (0: every position, 1: none); changes "
               "the speed only, not the greedy output nor the sampled distribution", "draft_threshold",

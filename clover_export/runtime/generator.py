@@ -164,6 +164,7 @@ class Stream:
             wall_time_s=time.perf_counter() - self.started, prompt_ids=list(req.prompt_ids),
             cached_tokens=req.cached_tokens, decoding=req.decoding, forwards=s["forwards"],
             accepted_per_forward=s["accepted_per_forward"], logprobs=self._logprobs_of(0, len(ids)),
+            prompt_logprobs=list(req.prompt_logprobs),
             error=str(self.error) if req.error is not None else None,
         )
         self.gen.handles.pop(self.request_id, None)
@@ -288,6 +289,10 @@ class Generator:
         ids = self.prompt_ids(prompt, messages, prompt_ids, raw, settings.enable_thinking)
         strategy = decoding.strategy(settings.decoding)
         alignment = strategy.alignment(self.cfg.block_alignment)
+        if settings.prompt_logprobs is not None and alignment == "absolute":
+            raise CloverError("generate", f"parameter 'prompt_logprobs' needs the prompt prefilled whole: the model's "
+                                          f"block_alignment 'absolute' puts its tail in the first block under "
+                                          f"{settings.decoding}; use decoding 'ar' or 'self_spec'")
         need = context_needed(len(ids), settings.max_new_tokens, self.block_size, alignment)
         if need > self.max_context:
             raise CloverError(

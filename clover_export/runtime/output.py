@@ -48,6 +48,8 @@ class Result:
     forwards: int = 0  # forwards it took part in after its prompt (low_confidence: its denoise steps)
     accepted_per_forward: float = 0.0  # self_spec: mean draft tokens accepted per verifying forward
     logprobs: list = field(default_factory=list, repr=False)  # token_ids' `TokenLogprob`s when the request asked
+    # prompt_ids' `TokenLogprob`s when the request asked (`prompt_logprobs`; the first None)
+    prompt_logprobs: list = field(default_factory=list, repr=False)
 
     @property
     def reasoning(self) -> str:
@@ -68,6 +70,10 @@ class Result:
             d["logprobs"] = [dataclasses.asdict(t) for t in self.logprobs]
         else:
             d.pop("logprobs")
+        if self.prompt_logprobs:
+            d["prompt_logprobs"] = [t and dataclasses.asdict(t) for t in self.prompt_logprobs]
+        else:
+            d.pop("prompt_logprobs")
         return d
 
 

@@ -193,7 +193,7 @@ class PrefixCache:
     def best(self, req: Request) -> Candidate:
         """The longest point within the request's common prefix with any slot's sequence."""
         run, best = self._run(req), Candidate()
-        limit = len(run)
+        limit = 0 if req.scores_prompt else len(run)  # prompt logprobs: every prompt row computed here
         for e in self.entries.values():
             common = min(run.common_prefix(e.seq), limit)
             if common < best.point or not common:
@@ -218,6 +218,8 @@ class PrefixCache:
         """A running request still prefilling a longer shared prefix (worth at least a block, the whole
         prompt, or already a cut of its prefill): `req` waits for it, and its prefill gets cut where the
         shared part ends."""
+        if req.scores_prompt:  # it resumes from nothing (`best`)
+            return None
         run = self._run(req)
         for other in running:
             if other.phase is not Phase.PREFILL:

@@ -44,6 +44,7 @@ class Request:
     counts: Counter = field(default_factory=Counter)  # occurrences of each token in `response`
     logprobs: list = field(default_factory=list)  # per response token its `decoding.logprobs.TokenLogprob` (if asked)
     block_logprobs: dict = field(default_factory=dict)  # low_confidence: the active block's, by position
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token its TokenLogprob (the first: None)
     finish_reason: str | None = None
     error: Exception | None = None  # why the request failed (finish_reason "error"); see loop.py
     # prefix reuse (runtime/prefix_cache.py)
@@ -75,6 +76,8 @@ class Request:
             cut = len(self.prompt_ids)
         self.prefill_ids = list(self.prompt_ids[:cut])
         self.tail = len(self.prompt_ids) - cut
+        if self.scores_prompt:
+            self.prompt_logprobs = [None]  # the first prompt token follows nothing
 
     @property
     def prompt_len(self) -> int:
@@ -114,6 +117,11 @@ class Request:
         # early stop leaves positions after the end token masked, with no logprob: `append` stops before them
         lps = [self.block_logprobs.get(i) for i in range(self.tail, self.block_size)] if self.wants_logprobs else None
         return self.append(self.block[self.tail:], lps)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The request asked for its prompt tokens' logprobs (`prompt_logprobs`)."""
+        return getattr(self.params, "prompt_logprobs", None) is not None
 
     @property
     def wants_logprobs(self) -> bool:

@@ -123,6 +123,8 @@ class Runner:
             "response_base": (plan.response_base, (B,))}
         fields.update(self.block_counts(plan))
         fields.update(self.verify_counts(plan, R))
+        if any(row.scored for row in plan.rows):  # prompt logprobs: the token each scoring logit row precedes
+            fields["scored"] = ([t for row in plan.rows for t in row.scored + [0] * (R - len(row.scored))], (B, R))
         return step_io.upload(fields, self.device)
 
     def block_counts(self, plan: StepPlan) -> step_io.Fields:
@@ -187,10 +189,11 @@ class Runner:
         """The read-back rows, typed; each row's strategy reads its verdict from it."""
         outs = []
         for req, row, got in zip(plan.requests, plan.rows, rows):
-            out = RowOutput(block=got["block"], coreset=got["coreset"][0] / self.num_layers, tokens=got["tokens"],
-                            lead=got["lead"][0], ar_tokens=got["ar_tokens"], sampled=tuple(got["sampled"]),
-                            **logprob_fields(got))
-            out.verdict = req.strategy.verdict(req, out, row)
+            out = RowOutput(coreset=got["coreset"][0] / self.num_layers, **logprob_fields(got))
+            if "block" in got:  # a step of prompt rows only reads back their scores (prompt logprobs)
+                out.block, out.tokens, out.lead = got["block"], got["tokens"], got["lead"][0]
+                out.ar_tokens, out.sampled = got["ar_tokens"], tuple(got["sampled"])
+            out.verdict = None if row.scored else req.strategy.verdict(req, out, row)  # scoring rows verify nothing
             outs.append(out)
         return outs
 
@@ -198,6 +201,6 @@ class Runner:
 def logprob_fields(got: dict[str, list[int]]) -> dict[str, list]:
     """The logprob columns of a read-back row (runtime/decoding/logprobs.py): floats from their bits."""
     out = {name: logprobs.floats(got[name]) for name in ("lp_ar", "lp_draft", "lp_bonus", "top_lp", "blk_lp",
-                                                         "blk_top_lp") if name in got}
-    out.update({name: got[name] for name in ("top_ids", "blk_top_ids") if name in got})
+                                                         "blk_top_lp", "prompt_lp", "prompt_top_lp") if name in got}
+    out.update({name: got[name] for name in ("top_ids", "blk_top_ids", "prompt_top_ids") if name in got})
     return out

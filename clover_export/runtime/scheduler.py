@@ -9,7 +9,9 @@ any row has this step. After the step, `update` hands each request's typed
 `RowOutput` to its strategy, which moves it on. With a prefix
 cache (runtime/prefix_cache.py) a new request may resume from another's
 caches: it starts at `past_len` > 0 and its prefill chunks may end early at
-`cuts` (points other requests resume from).
+`cuts` (points other requests resume from). A request asking for its prompt's logprobs prefills in
+chunks of at most a block, every row a logit row scoring the next prompt token (`Rows.scored`), and its
+last prompt row alone, as its strategy lays it out (docs/runtime.md, Prompt logprobs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from clover_export.core.step_shape import PREFILL_CHUNK, StepShape
 from clover_export.runtime.decoding.base import Phase, RowOutput, Rows
+from clover_export.runtime.decoding.logprobs import scored
 from clover_export.runtime.request import Request
 
 if TYPE_CHECKING:
@@ -170,18 +173,32 @@ class Scheduler:
                 self._turn = k + top
             usable = [s for s in self.shapes if s.max_batch >= len(reqs)]
             chunk = min(chunk, max(s.max_causal for s in usable))
-        rows = [req.strategy.rows(req, self._prefill_chunk(req, chunk) if req.phase is Phase.PREFILL else None,
-                                  self.fold_commit) for req in reqs]
+        rows = [self._rows(req, chunk) for req in reqs]
         C = max(len(row.causal) for row in rows)
         if self.shapes:
             C = min(max(s.min_causal, C) for s in usable if s.max_causal >= C)
         return StepPlan(list(reqs), C, N, rows, [req.slot for req in reqs], [req.past_len for req in reqs])
 
-    @staticmethod
-    def _prefill_chunk(req: Request, chunk_len: int) -> list[int]:
-        """The request's next prompt chunk: at most chunk_len tokens, ending early at a cut (prefix_cache.py)."""
+    def _rows(self, req: Request, chunk_len: int) -> Rows:
+        if req.phase is not Phase.PREFILL:
+            return req.strategy.rows(req, None, self.fold_commit)
+        chunk = self._prefill_chunk(req, chunk_len)
+        rows = req.strategy.rows(req, chunk, self.fold_commit)
         pos = req.prefill_pos
-        return req.prefill_ids[pos: min([pos + chunk_len] + [c for c in req.cuts if c > pos])]
+        if req.scores_prompt and pos + len(chunk) < len(req.prefill_ids):  # a scoring chunk (not the last row)
+            rows.logit_rows = list(range(len(chunk)))
+            rows.scored = req.prefill_ids[pos + 1: pos + 1 + len(chunk)]
+        return rows
+
+    def _prefill_chunk(self, req: Request, chunk_len: int) -> list[int]:
+        """The request's next prompt chunk: at most chunk_len tokens, ending early at a cut (prefix_cache.py);
+        scoring its prompt, at most a block (the graph's logit rows) and never the last prompt row with others."""
+        pos = req.prefill_pos
+        ends = [pos + chunk_len] + [c for c in req.cuts if c > pos]
+        if req.scores_prompt:
+            last = len(req.prefill_ids) - 1
+            ends += [pos + self.block_size] + ([last] if pos < last else [])
+        return req.prefill_ids[pos: min(ends)]
 
     def update(self, plan: StepPlan, outputs: list[RowOutput]) -> list[Request]:
         """Advance every request of the step by its strategy, given the step's typed outputs.
@@ -194,6 +211,8 @@ class Scheduler:
                 if self.cache is not None and row.causal:
                     self.cache.invalidate(req.slot)
                 continue
+            if row.scored:
+                req.prompt_logprobs += scored(out, req.params.prompt_logprobs, row.scored)
             if req.strategy.advance(req, row, out, self):
                 resolved.append(req)
         return resolved

@@ -62,6 +62,8 @@ class Submission:
     n: int = 1  # choices, each its own engine request (docs/serving.md, Choices)
     logprobs: int | None = None  # alternatives per token when logprobs are asked for (docs/serving.md, Logprobs)
     token_text: Any = None  # token id -> its text (the engine's tokenizer), set by prepare
+    echo: bool = False  # completions: the prompt before the completion (docs/serving.md, Echo)
+    echo_text: str | None = None  # the prompt's text when echoed, set by prepare
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -195,16 +197,20 @@ def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def completion_submission(req: CompletionRequest) -> Submission:
-    if req.echo or req.suffix is not None or req.best_of not in (None, 1):
-        param = "echo" if req.echo else "suffix" if req.suffix is not None else "best_of"
-        raise refuse(param, "is not supported")
+    if req.suffix is not None or req.best_of not in (None, 1):
+        raise refuse("suffix" if req.suffix is not None else "best_of", "is not supported")
+    if req.echo and req.stream:
+        raise refuse("echo", "cannot be combined with stream: true")
     kw = _sampling(req)
     kw["logprobs"] = req.logprobs
+    if req.echo and req.logprobs is not None:
+        kw["prompt_logprobs"] = req.logprobs
     sub = Submission(_drop_none(kw), chat=False, thinking=False, stream=bool(req.stream),
-                     include_usage=_include_usage(req), logit_bias=req.logit_bias, n=req.n or 1, logprobs=req.logprobs)
+                     include_usage=_include_usage(req), logit_bias=req.logit_bias, n=req.n or 1, logprobs=req.logprobs,
+                     echo=bool(req.echo))
     prompt = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt (lm-evaluation-harness sends [[ids]])
     if isinstance(prompt, str):
         sub.text = prompt
     elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
@@ -212,8 +218,8 @@ def completion_submission(req: CompletionRequest) -> Submission:
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise refuse("prompt", f"must be one prompt per request, got {len(prompt)}")
     else:
-        raise refuse("prompt", f"must be a string, a list of one string, or a non-empty list of token ids, "
-                               f"got {show(prompt)}")
+        raise refuse("prompt", f"must be a string, a list of one string, a non-empty list of token ids or a "
+                               f"list of one such list, got {show(prompt)}")
     return sub
 
 
@@ -274,6 +280,8 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
     need = context_needed(len(ids), settings.max_new_tokens, gen.block_size, gen.cfg.block_alignment)
     if need > gen.max_context:
         raise _too_long(gen, sub, len(ids), settings.max_new_tokens, need)
+    if sub.echo:
+        sub.echo_text = sub.text if sub.text is not None else gen.tokenizer.decode(ids)
     return {"prompt_ids": ids, **sub.params, **({"grammar": grammar} if grammar is not None else {})}
 
 
@@ -459,10 +467,20 @@ class CompletionLogprobs:
     def __init__(self, sub: Submission):
         self.sub, self.offset = sub, 0
 
-    def of(self, lps: list) -> dict[str, Any] | None:
+    def of(self, lps: list, prompt_ids: list[int] = (), prompt_lps: list = ()) -> dict[str, Any] | None:
+        """The tokens' logprobs; with `prompt_ids` (echo) the prompt's first, from `prompt_lps` (None for the
+        first token, which follows nothing)."""
         if self.sub.logprobs is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, t in zip(prompt_ids, prompt_lps):
+            text = self.sub.token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if t is None else _lp(t.logprob))
+            out["top_logprobs"].append(None if t is None else
+                                       {self.sub.token_text(i): _lp(v) for i, v in t.top[:self.sub.logprobs]})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
         for t in lps:
             text = self.sub.token_text(t.token)
             out["tokens"].append(text)
@@ -568,6 +586,9 @@ def _choice(sub: Submission, index: int, res) -> dict[str, Any]:
             message["reasoning_content"] = reasoning
         return {"index": index, "message": message, "finish_reason": finish,
                 "logprobs": choice_logprobs(sub, res.logprobs)}
+    if sub.echo:  # the prompt first, its tokens' logprobs too (the first token's null)
+        return {"index": index, "text": sub.echo_text + content, "finish_reason": finish,
+                "logprobs": CompletionLogprobs(sub).of(res.logprobs, res.prompt_ids, res.prompt_logprobs)}
     return {"index": index, "text": content, "finish_reason": finish, "logprobs": choice_logprobs(sub, res.logprobs)}
 
 

@@ -343,7 +343,7 @@ class ChatRequest(CommonParams):
 class CompletionRequest(CommonParams):
     prompt: Any  # a string, a list of one string, or token ids: checked by the adapter, which says which
     logprobs: ranged("logprobs") = None
-    echo: bool | None = None  # refused when true
+    echo: bool | None = None  # the prompt before the completion (its tokens' logprobs with `logprobs`)
     best_of: int | None = None  # refused unless 1
     suffix: str | None = None  # refused unless null
 

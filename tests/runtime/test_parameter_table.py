@@ -25,7 +25,8 @@ DEFAULTS = {
     "repetition_penalty": 1.05, "frequency_penalty": 0.0, "presence_penalty": 0.9, "dllm_length_penalty": 10.0,
     "dllm_length_penalty_start": 8192, "dllm_length_penalty_window": 8192, "dllm_think_end_bias": 10.0,
     "dllm_think_end_start": 4096, "dllm_think_end_window": 4096, "enable_thinking": True, "min_tokens": 0,
-    "ignore_eos": False, "seed": None, "decoding": "low_confidence", "logprobs": None, "draft_threshold": 0.5,
+    "ignore_eos": False, "seed": None, "decoding": "low_confidence", "logprobs": None, "prompt_logprobs": None,
+    "draft_threshold": 0.5,
 }
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -65,8 +66,9 @@ def test_the_table_keeps_the_defaults_and_makes_generation_settings():
     assert GenerationSettings() == GenerationSettings(**DEFAULTS)
     assert all(p.cli for p in PARAMETERS)
     # the server's exceptions: it samples when temperature is above 0 (OpenAI's rule), so no do_sample field; its
-    # logprobs fields have OpenAI's per-endpoint shapes (chat logprobs + top_logprobs, completions logprobs)
-    assert [p.name for p in PARAMETERS if not p.openai] == ["do_sample", "logprobs"]
+    # logprobs fields have OpenAI's per-endpoint shapes (chat logprobs + top_logprobs, completions logprobs; the
+    # prompt's with completions echo)
+    assert [p.name for p in PARAMETERS if not p.openai] == ["do_sample", "logprobs", "prompt_logprobs"]
 
 
 @pytest.mark.parametrize("p", PARAMETERS, ids=lambda p: p.name)

@@ -12,7 +12,6 @@ Choices).
 
 from __future__ import annotations
 
-import glob
 import json
 import time
 
@@ -40,25 +39,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_dir):
-    """(transformers' Qwen3_5MoeForCausalLM on the embedded default's weights, its tokenizer)."""
-    transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
-
-    cfg = json.loads((tiny_dir / "config.json").read_text())
-    clover_only = ("architectures", "model_type", "block_size", "mask_token_id", "max_context", "torch_dtype",
-                   "moe_block_coreset_enabled", "moe_block_coreset_top_p")
-    hf = transformers.Qwen3_5MoeForCausalLM(
-        transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.items() if k not in clover_only})).eval()
-    weights = {}
-    for f in glob.glob(str(tiny_dir / "*.safetensors")):
-        weights.update({k: v.float() for k, v in load_file(f).items()})
-    loaded = hf.load_state_dict(weights, strict=False)
-    assert not loaded.missing_keys  # every upstream tensor is the checkpoint's
-    return hf, transformers.AutoTokenizer.from_pretrained(str(tiny_dir)), cfg["mask_token_id"]
 
 
 def reference_greedy(reference, ids: list[int], steps: int, k: int) -> list[tuple[int, float, list[int]]]:
@@ -121,6 +101,31 @@ def test_chat_logprobs_are_transformers_log_softmax_and_stream_the_same(client, 
     assert [(x.token, x.logprob, [y.logprob for y in x.top_logprobs]) for x in streamed] == \
         [(x.token, x.logprob, [y.logprob for y in x.top_logprobs]) for x in content]
 
+
+
+@pytest.mark.parametrize("decoding", ["ar", "low_confidence"])
+def test_echo_gives_the_prompt_tokens_transformers_log_softmax(client, reference, decoding):
+    """`echo` with `logprobs`: the prompt's text and tokens first (the first token's logprob null), each prompt
+    token's log-probability given the tokens before it, as lm-evaluation-harness reads them ([[ids]], max_tokens 1)."""
+    hf, tok, _ = reference
+    ids = tok(PROMPT)["input_ids"]
+    with torch.no_grad():
+        lsm = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    out = client.completions.create(model=MODEL, prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                    extra_body=dict(PLAIN, decoding=decoding))
+    choice, n = out.choices[0], len(ids)
+    lp = choice.logprobs
+    assert choice.text.startswith(tok.decode(ids)) and len(lp.tokens) == n + 1 and out.usage.prompt_tokens == n
+    assert lp.tokens[:n] == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([float(lsm[i - 1, ids[i]]) for i in range(1, n)], rel=1e-4, abs=2e-4)
+    assert [list(t) for t in lp.top_logprobs[1:n]] == [[tok.decode([int(lsm[i - 1].argmax())])] for i in range(1, n)]
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(n + 1)]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                      extra_body=dict(PLAIN, decoding=decoding))
+    alone = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                      extra_body=dict(PLAIN, decoding=decoding))
+    assert plain.choices[0].text == PROMPT + alone.choices[0].text and plain.choices[0].logprobs is None
 
 def test_low_confidence_logprobs_are_labelled_the_block_distribution(client):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,

@@ -38,14 +38,16 @@ class DeviceWork(str, enum.Enum):
 @dataclass
 class Rows:
     """One request's rows in the next step: causal tokens, block tokens (None: no block rows), the causal
-    rows whose next-token logits it reads, the response index of block position 0 and the tokens under
-    verification (DECODING.md 5)."""
+    rows whose next-token logits it reads, the response index of block position 0, the tokens under
+    verification (DECODING.md 5) and, for a prompt chunk scored for prompt logprobs (the scheduler sets
+    it; no strategy reads those rows), the prompt token each logit row scores."""
 
     causal: list[int]
     block: list[int] | None = None
     logit_rows: list[int] = field(default_factory=list)
     response_base: int = 0
     draft: list[int] = field(default_factory=list)
+    scored: list[int] = field(default_factory=list)  # prompt logprobs: the prompt token each logit row scores
 
 
 @dataclass
@@ -85,6 +87,10 @@ class RowOutput:
     blk_lp: list[float] = field(default_factory=list)
     blk_top_ids: list[int] = field(default_factory=list)
     blk_top_lp: list[float] = field(default_factory=list)
+    # prompt logprobs: per scoring logit row its next prompt token's log-probability, the row's top k
+    prompt_lp: list[float] = field(default_factory=list)
+    prompt_top_ids: list[int] = field(default_factory=list)
+    prompt_top_lp: list[float] = field(default_factory=list)
 
 
 class Strategy:

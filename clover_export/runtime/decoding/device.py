@@ -48,7 +48,7 @@ class DeviceStep:
         plan = self.plan
         return [r for r, (req, row) in enumerate(zip(plan.requests, plan.rows))
                 if req.strategy.takes(work) and (row.block is not None or not with_block)
-                and (work is not DeviceWork.VERIFY or row.logit_rows)]
+                and (work is not DeviceWork.VERIFY or (row.logit_rows and not row.scored))]
 
     def sampling(self, rows: list[int]) -> list[int]:
         return [r for r in rows if self.plan.requests[r].params.do_sample]
@@ -60,8 +60,9 @@ class DeviceStep:
 def run(step: DeviceStep) -> dict[str, torch.Tensor] | None:
     """Every row's device work, in order; the named read-back columns ([B, width] each)."""
     verifying = step.rows(DeviceWork.VERIFY)
-    if not any(step.plan.has_block) and not verifying:  # prefill or commit rows only: nothing to read
-        return None
+    prompt = device_logprobs.prompt_columns(step, device_logprobs.asked_prompt(step))  # raw logits'
+    if not any(step.plan.has_block) and not verifying:  # prefill or commit rows only: their scores at most
+        return prompt or None
     causal_lp, block_lp = device_logprobs.asked_causal(step), device_logprobs.asked_block(step)  # raw logits'
     apply_logit_hooks(step)
     ar_tokens, sampled = verify(step, verifying)
@@ -72,13 +73,13 @@ def run(step: DeviceStep) -> dict[str, torch.Tensor] | None:
     lead = (conf[:, 1:] > step.params.draft_threshold[:, None]).int().cumprod(1).sum(1, keepdim=True)
     return {"block": block, "tokens": tok, "lead": lead, "ar_tokens": ar_tokens, "sampled": sampled,
             **device_logprobs.causal_columns(step, causal_lp, ar_tokens, sampled),
-            **device_logprobs.block_columns(step, block_lp, block)}
+            **device_logprobs.block_columns(step, block_lp, block), **prompt}
 
 
 def apply_logit_hooks(step: DeviceStep) -> None:
     """The hook for per-row logit masks (e.g. grammar-constrained decoding): before any control or choice."""
     for r, (req, rows) in enumerate(zip(step.plan.requests, step.plan.rows)):
-        if req.strategy.logit_hook and (rows.logit_rows or rows.block is not None):
+        if req.strategy.logit_hook and not rows.scored and (rows.logit_rows or rows.block is not None):
             req.strategy.mask_logits(req, step.logits[r], step.causal_logits[r])
 
 

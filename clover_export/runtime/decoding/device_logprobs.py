@@ -1,6 +1,7 @@
 """The device side of logprobs (runtime/decoding/logprobs.py): the asking rows' log-softmax of the raw logits
 (taken before any logit hook or control changes them), the chosen tokens' log-probabilities and the top k, as
-read-back columns (zeros for the rows that did not ask, never read)."""
+read-back columns (zeros for the rows that did not ask, never read); for prompt logprobs, the same of the
+prompt tokens a scoring prefill chunk's logit rows are followed by."""
 
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ class Asked:
         return t if self.every else t.index_select(0, torch.tensor(self.rows, device=t.device))
 
 
-def asked(step, logits: torch.Tensor, rows: list[int]) -> Asked:
-    rows = [r for r in rows if getattr(step.plan.requests[r].params, "logprobs", None) is not None]
+def asked(step, logits: torch.Tensor, rows: list[int], parameter: str = "logprobs") -> Asked:
+    """The rows whose request set `parameter` (the alternatives wanted)."""
+    rows = [r for r in rows if getattr(step.plan.requests[r].params, parameter, None) is not None]
     if not rows:
         return Asked(rows, 0)
-    k = max(step.plan.requests[r].params.logprobs for r in rows)
+    k = max(getattr(step.plan.requests[r].params, parameter) for r in rows)
     a = Asked(rows, k, every=len(rows) == logits.shape[0])
     a.lsm = torch.log_softmax(a.take(logits).float(), -1)
     return a
@@ -48,6 +50,20 @@ def asked_causal(step) -> Asked:
 def asked_block(step) -> Asked:
     """The filling rows (low_confidence) that asked: their block positions' distributions."""
     return asked(step, step.logits, step.rows(DeviceWork.FILL, with_block=True))
+
+
+def asked_prompt(step) -> Asked:
+    """The rows scoring a prompt chunk (`Rows.scored`, prompt logprobs): their logit rows' distributions."""
+    rows = [r for r, row in enumerate(step.plan.rows) if row.scored]
+    return asked(step, step.causal_logits, rows, "prompt_logprobs")
+
+
+def prompt_columns(step, a: Asked) -> dict[str, torch.Tensor]:
+    """`prompt_lp` [B, R] the log-probability of the prompt token each scoring logit row is followed by,
+    `prompt_top_ids` / `prompt_top_lp` [B, R * k]."""
+    if not a.rows:
+        return {}
+    return columns({"lp": pick(a.lsm, a.take(step.inputs["scored"]))}, a, step.causal_logits.shape[0], "prompt_")
 
 
 def causal_columns(step, a: Asked, ar_tokens: torch.Tensor, sampled: torch.Tensor) -> dict[str, torch.Tensor]:

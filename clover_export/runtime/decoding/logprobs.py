@@ -48,3 +48,9 @@ def filled(out, k: int, before: list[int], mask_id: int) -> dict[int, TokenLogpr
     top = tops(out.blk_top_ids, out.blk_top_lp, k)
     return {i: TokenLogprob(t, out.blk_lp[i], top[i] if k else [])
             for i, (was, t) in enumerate(zip(before, out.block)) if was == mask_id and t != mask_id}
+
+
+def scored(out, k: int, tokens: list[int]) -> list[TokenLogprob]:
+    """Prompt logprobs: each scoring logit row's next prompt token with its log-probability and the row's top k."""
+    top = tops(out.prompt_top_ids, out.prompt_top_lp, k)
+    return [TokenLogprob(t, out.prompt_lp[i], top[i] if k else []) for i, t in enumerate(tokens)]
