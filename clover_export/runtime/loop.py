@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from clover_export.runtime.decoding.base import RowOutput
-from clover_export.runtime.request import Phase, Request
+from clover_export.runtime.request import Request
 from clover_export.runtime.runner import Runner
 from clover_export.runtime.scheduler import Scheduler, StepPlan
 from clover_export.runtime.state_mover import StepUndo
@@ -53,7 +53,7 @@ class StepCapExceeded(RuntimeError):
 
 def over_step_cap(req: Request) -> bool:
     """True when the request's active block is unresolved after `block_size` denoise steps."""
-    return req.phase is Phase.DENOISE and req.block_steps >= req.block_size
+    return req.strategy.over_step_cap(req)
 
 
 @dataclass

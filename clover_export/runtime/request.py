@@ -37,13 +37,9 @@ class Request:
     past_len: int = 0  # tokens in the slot's caches
     prefill_ids: list[int] = field(default_factory=list)  # prompt tokens appended causally
     prefill_pos: int = 0  # how many of them are cached
-    block: list[int] = field(default_factory=list)  # the active block, mask_id where still masked
-    tail: int = 0  # prompt tokens pre-filled at the start of the active block (absolute alignment)
-    pending_commit: list[int] = field(default_factory=list)  # resolved block still to append causally
     response: list[int] = field(default_factory=list)  # response tokens, cut at end token / max_new_tokens
     counts: Counter = field(default_factory=Counter)  # occurrences of each token in `response`
     logprobs: list = field(default_factory=list)  # per response token its `decoding.logprobs.TokenLogprob` (if asked)
-    block_logprobs: dict = field(default_factory=dict)  # low_confidence: the active block's, by position
     prompt_logprobs: list = field(default_factory=list)  # per prompt token its TokenLogprob (the first: None)
     finish_reason: str | None = None
     error: Exception | None = None  # why the request failed (finish_reason "error"); see loop.py
@@ -58,7 +54,6 @@ class Request:
 
     # --- counters (DECODING.md 4 report) ------------------------------------
     denoise_steps: int = 0
-    block_steps: int = 0  # denoise steps of the active block (at most block_size, DECODING.md 2 step 6)
     unfolded_commits: int = 0
     blocks: int = 0
     coreset_sum: float = 0.0  # sum over denoise steps of the mean kept-set size over layers
@@ -74,8 +69,7 @@ class Request:
             cut = len(self.prompt_ids) // self.block_size * self.block_size
         else:
             cut = len(self.prompt_ids)
-        self.prefill_ids = list(self.prompt_ids[:cut])
-        self.tail = len(self.prompt_ids) - cut
+        self.prefill_ids = list(self.prompt_ids[:cut])  # the rest (absolute alignment) starts the first block
         if self.scores_prompt:
             self.prompt_logprobs = [None]  # the first prompt token follows nothing
 
@@ -91,32 +85,6 @@ class Request:
     def decoding(self) -> str:
         """The mode's name (runtime/decoding/)."""
         return self.strategy.name
-
-    def new_block(self) -> None:
-        """Start the next block after the committed text (DECODING.md 1.4)."""
-        tail = self.prompt_ids[len(self.prefill_ids):] if self.blocks == 0 else []
-        self.tail = len(tail)
-        self.block = list(tail) + [self.mask_id] * (self.block_size - self.tail)
-        self.block_steps = 0
-        self.block_logprobs = {}
-
-    def block_resolved(self, early_stop: bool) -> bool:
-        """Every position filled, or (early stop) an end token filled with every position before it filled."""
-        mask = self.mask_id
-        for i in range(self.tail, self.block_size):
-            tok = self.block[i]
-            if tok == mask:
-                return False
-            if early_stop and tok in self.end_ids:
-                return True
-        return True
-
-    def take_block(self) -> bool:
-        """Append the resolved block's response tokens; True when the request is done (DECODING.md 1.5)."""
-        self.blocks += 1
-        # early stop leaves positions after the end token masked, with no logprob: `append` stops before them
-        lps = [self.block_logprobs.get(i) for i in range(self.tail, self.block_size)] if self.wants_logprobs else None
-        return self.append(self.block[self.tail:], lps)
 
     @property
     def scores_prompt(self) -> bool:

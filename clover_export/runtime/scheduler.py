@@ -153,8 +153,7 @@ class Scheduler:
             if req.prefill_pos < len(req.prefill_ids):
                 req.phase = Phase.PREFILL
             else:
-                req.new_block()
-                req.phase = Phase.DENOISE
+                req.strategy.prompt_cached(req)
             self.running.append(req)
             yield req
 

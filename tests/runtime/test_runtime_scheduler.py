@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from clover_export.runtime.decoding.base import RowOutput
+from clover_export.runtime.decoding.low_confidence import block_resolved, new_block, take_block
 from clover_export.runtime.request import Phase, Request
 from clover_export.runtime.scheduler import PAD_ID, Scheduler
 
@@ -51,7 +52,7 @@ def test_prefill_chunks_fold_into_first_block_and_rows_are_left_aligned():
     assert p.input_ids == [PAD_ID] * 4 + [M, M, 5, M] + [7, 8, 9, 6] + [M] * 4
     assert (p.causal_rows, p.n_causal, p.past_len, p.response_base) == (4, [0, 4], [5, 2], [0, 4])
     s.update(p, outputs([[M, M, 5, M], [M] * 4], [0.0, 0.0]))
-    assert b.past_len == 6 and b.pending_commit == []
+    assert b.past_len == 6 and b.state.pending_commit == []
     assert b.denoise_steps == 3 and b.coreset_sum == 6.0
 
 
@@ -94,20 +95,20 @@ def test_absolute_alignment_puts_the_prompt_tail_in_the_first_block():
 
 def test_end_token_early_stop_and_max_new_tokens():
     r = req([10], max_new=8, ends=(1,))
-    r.new_block()
-    r.block = [5, 1, M, M]
-    assert r.block_resolved(early_stop=True) and not r.block_resolved(early_stop=False)
-    r.block = [M, 1, 5, 5]
-    assert not r.block_resolved(early_stop=True)  # a position before the end token is still masked
-    r.block = [5, 1, 6, 7]
-    assert r.take_block() and r.response == [5, 1] and r.finish_reason == "stop"
+    new_block(r)
+    r.state.block = [5, 1, M, M]
+    assert block_resolved(r, early_stop=True) and not block_resolved(r, early_stop=False)
+    r.state.block = [M, 1, 5, 5]
+    assert not block_resolved(r, early_stop=True)  # a position before the end token is still masked
+    r.state.block = [5, 1, 6, 7]
+    assert take_block(r) and r.response == [5, 1] and r.finish_reason == "stop"
     r = req([10], max_new=6)
-    r.new_block()
-    r.block = [5, 6, 7, 8]
-    assert not r.take_block()
-    r.new_block()
-    r.block = [9, 9, 9, 9]
-    assert r.take_block() and r.response == [5, 6, 7, 8, 9, 9] and r.finish_reason == "length"
+    new_block(r)
+    r.state.block = [5, 6, 7, 8]
+    assert not take_block(r)
+    new_block(r)
+    r.state.block = [9, 9, 9, 9]
+    assert take_block(r) and r.response == [5, 6, 7, 8, 9, 9] and r.finish_reason == "length"
 
 
 def test_finish_frees_the_slot_for_a_waiting_request():
@@ -143,6 +144,6 @@ def test_fixed_engine_profiles_pad_cap_and_rotate():
         p = s.schedule()
         assert p.batch == 2 and p.causal_rows == N  # at most 2 rows; C padded/capped to the decode profile
         seen.append([r.request_id for r in p.requests])
-        s.update(p, outputs([r.block or [M] * 4 for r in p.requests], [0.0] * 2))
+        s.update(p, outputs([r.state.block or [M] * 4 for r in p.requests], [0.0] * 2))
     assert {i for ids in seen for i in ids} == {a.request_id, b.request_id, c.request_id}  # everyone gets a turn
     assert a.prefill_pos == 8 + 4 * sum(a.request_id in ids for ids in seen)

@@ -78,7 +78,7 @@ def test_cancel_between_two_steps_of_a_block_frees_the_slot_for_the_next_step(mo
     long = gen.submit(SORT, max_new_tokens=64, **ONE_PER_STEP)
     for _ in range(5):
         gen.step()
-    assert 0 < long.request.block_steps < gen.block_size  # mid-block
+    assert 0 < long.request.state.steps < gen.block_size  # mid-block
     waiting = gen.submit("The answer is", raw=True, max_new_tokens=12)
     long.cancel()
     assert long.result.finish_reason == "cancelled" and gen.loop.scheduler.free_slots == [0]

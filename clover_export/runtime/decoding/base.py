@@ -136,6 +136,14 @@ class Strategy:
         choice, e.g. -inf outside a grammar's allowed tokens. block_logits [N, V], causal_logits [R, V]
         (its `logit_rows`' logits). Tensor methods only: this module imports no tensor library."""
 
+    def prompt_cached(self, req) -> None:
+        """The request's whole prompt was resumed from the prefix cache at admission: set up its first step."""
+        req.phase = Phase.DENOISE
+
+    def over_step_cap(self, req) -> bool:
+        """True when the request has taken more steps than its mode allows without progress (a fault)."""
+        return False
+
     def undoes(self, req, out: RowOutput) -> bool:
         """True when the step's changes to the slot's GDN states must be undone (`StateMover.undo_rows`)."""
         return False
