@@ -69,7 +69,8 @@ MIX = {"completion": 3, "completion_stream": 3, "chat": 3, "chat_stream": 3, "mu
 DELIBERATE = {"malformed_json": 400, "oversize": 413, "bad_field": 400}
 # bounded, so that a weak model's answer ends well inside STRUCTURED_MAX_TOKENS
 ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999},
-                                           "sorted": {"type": "boolean"}}, "required": ["answer", "sorted"]}
+                                           "sorted": {"type": "boolean"}}, "required": ["answer", "sorted"],
+          "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "sort_digits", "parameters": {
     "type": "object", "properties": {"digits": {"type": "string", "maxLength": 12}}, "required": ["digits"]}}}]
 STRUCTURED_MAX_TOKENS = 120
@@ -278,7 +279,7 @@ class Traffic:
     async def tool_call(self, client, rng: random.Random) -> int | str:
         choice = rng.choice(["required", {"type": "function", "function": {"name": "sort_digits"}}, "auto"])
         body = self.body(rng, True, False) | {"max_tokens": STRUCTURED_MAX_TOKENS, "tools": TOOLS,
-                                               "tool_choice": choice}
+                                               "tool_choice": choice, "parallel_tool_calls": False}
         status, done = await self.post(client, True, body)
         if status != 200 or choice == "auto" or done["choices"][0]["finish_reason"] == "length":
             return status
@@ -299,10 +300,12 @@ class Traffic:
             return status
         if len(done["choices"]) != 2:
             return "invalid: n choices"
-        for c in done["choices"]:
-            content = (c.get("logprobs") or {}).get("content")
-            if content is None or any(len(t["top_logprobs"]) != 2 or t["logprob"] > 0 for t in content):
-                return "invalid: logprobs"
+        contents = [(c.get("logprobs") or {}).get("content") for c in done["choices"]]
+        if any(not content or any(len(t["top_logprobs"]) != 2 or t["logprob"] > 0 for t in content)
+               for content in contents):
+            return "invalid: logprobs"
+        if sum(map(len, contents)) != done["usage"]["completion_tokens"]:  # one per token of each choice
+            return "invalid: logprobs not one per token"
         return 200
 
     async def model(self, client) -> str:

@@ -90,6 +90,7 @@ class Stream:
         self.chunks: deque[StreamChunk] = deque()
         self.result: Result | None = None
         self.started = time.perf_counter()
+        self.blocks_sent = 0
 
     @property
     def done(self) -> bool:
@@ -143,7 +144,9 @@ class Stream:
         elif self.tracker.stopped:
             self.request.finish_reason = "stop_string"
         chunk = StreamChunk(self.request_id, delta, ids, self.request.finished,
-                            logprobs=self._logprobs_of(len(self.tracker.token_ids) - len(ids), len(ids)))
+                            logprobs=self._logprobs_of(len(self.tracker.token_ids) - len(ids), len(ids)),
+                            prompt_logprobs=[] if self.blocks_sent else list(self.request.prompt_logprobs))
+        self.blocks_sent += 1
         if self.request.finished:
             chunk.result = self._finish()
         self.chunks.append(chunk)
@@ -228,7 +231,11 @@ class Generator:
                               f"parameter 'block_size' is {block_size!r}, the engine's is {self.block_size}",
                               "block_size is fixed when the model or engine is loaded")
         settings = self.defaults.override(**params).validate(self.cfg.vocab_size)
-        decoding.strategy(settings.decoding)  # a registered mode
+        strategy = decoding.strategy(settings.decoding)  # a registered mode
+        if settings.prompt_logprobs is not None and strategy.alignment(self.cfg.block_alignment) == "absolute":
+            raise CloverError("generate", f"parameter 'prompt_logprobs' needs the prompt prefilled whole: the model's "
+                                          f"block_alignment 'absolute' puts its tail in the first block under "
+                                          f"{settings.decoding}; use decoding 'ar' or 'self_spec'")
         return settings
 
     def grammar_vocab(self):
@@ -289,10 +296,6 @@ class Generator:
         ids = self.prompt_ids(prompt, messages, prompt_ids, raw, settings.enable_thinking)
         strategy = decoding.strategy(settings.decoding)
         alignment = strategy.alignment(self.cfg.block_alignment)
-        if settings.prompt_logprobs is not None and alignment == "absolute":
-            raise CloverError("generate", f"parameter 'prompt_logprobs' needs the prompt prefilled whole: the model's "
-                                          f"block_alignment 'absolute' puts its tail in the first block under "
-                                          f"{settings.decoding}; use decoding 'ar' or 'self_spec'")
         need = context_needed(len(ids), settings.max_new_tokens, self.block_size, alignment)
         if need > self.max_context:
             raise CloverError(

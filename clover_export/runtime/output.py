@@ -22,6 +22,7 @@ class StreamChunk:
     finished: bool = False
     result: "Result | None" = None  # set on the last chunk
     logprobs: list = field(default_factory=list)  # token_ids' `TokenLogprob`s when the request asked
+    prompt_logprobs: list = field(default_factory=list)  # the first chunk: the prompt's (`prompt_logprobs`)
 
 
 @dataclass

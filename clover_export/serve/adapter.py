@@ -38,6 +38,7 @@ THINK_END = "</think>"
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 # runtime parameter name -> the OpenAI name a client sent (the table's, generation.PARAMETERS)
 OPENAI_NAMES = {p.name: p.openai for p in BODY_PARAMETERS if p.openai != p.name}
+OPENAI_NAMES["prompt_logprobs"] = "echo"  # completions ask for the prompt's logprobs with echo + logprobs
 # how many characters a tokenizer's normalizer may fold into one (NFC/NFKC compose up to 3 code points into
 # one, NFKC maps one 4-byte letter to one ASCII letter): the cheap prompt bound divides by it when one is set
 NORMALIZER_FOLD = 4
@@ -64,6 +65,7 @@ class Submission:
     token_text: Any = None  # token id -> its text (the engine's tokenizer), set by prepare
     echo: bool = False  # completions: the prompt before the completion (docs/serving.md, Echo)
     echo_text: str | None = None  # the prompt's text when echoed, set by prepare
+    echo_ids: list[int] = field(default_factory=list)  # and its token ids
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -199,8 +201,6 @@ def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 def completion_submission(req: CompletionRequest) -> Submission:
     if req.suffix is not None or req.best_of not in (None, 1):
         raise refuse("suffix" if req.suffix is not None else "best_of", "is not supported")
-    if req.echo and req.stream:
-        raise refuse("echo", "cannot be combined with stream: true")
     kw = _sampling(req)
     kw["logprobs"] = req.logprobs
     if req.echo and req.logprobs is not None:
@@ -281,7 +281,7 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
     if need > gen.max_context:
         raise _too_long(gen, sub, len(ids), settings.max_new_tokens, need)
     if sub.echo:
-        sub.echo_text = sub.text if sub.text is not None else gen.tokenizer.decode(ids)
+        sub.echo_text, sub.echo_ids = sub.text if sub.text is not None else gen.tokenizer.decode(ids), ids
     return {"prompt_ids": ids, **sub.params, **({"grammar": grammar} if grammar is not None else {})}
 
 
@@ -588,7 +588,7 @@ def _choice(sub: Submission, index: int, res) -> dict[str, Any]:
                 "logprobs": choice_logprobs(sub, res.logprobs)}
     if sub.echo:  # the prompt first, its tokens' logprobs too (the first token's null)
         return {"index": index, "text": sub.echo_text + content, "finish_reason": finish,
-                "logprobs": CompletionLogprobs(sub).of(res.logprobs, res.prompt_ids, res.prompt_logprobs)}
+                "logprobs": CompletionLogprobs(sub).of(res.logprobs, sub.echo_ids, res.prompt_logprobs)}
     return {"index": index, "text": content, "finish_reason": finish, "logprobs": choice_logprobs(sub, res.logprobs)}
 
 

@@ -455,7 +455,7 @@ async def _sse(group: Choices, sub: adapter.Submission, request: Request, deadli
 
 def _block_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int, block) -> list[dict[str, Any]]:
     """A block's chunks for choice `index`; the first carries the block's tokens' logprobs."""
-    out = []
+    out = _echo_chunk(sub, model, st, index, block.prompt_logprobs)
     lps = _chunk_logprobs(sub, st, block)
     for reasoning, content, call in st.reply.push(block.text, block.finished):
         out.append(adapter.chunk(sub, model, reasoning, content, at=adapter.At(index, st.first, lps), tool_call=call))
@@ -466,7 +466,7 @@ def _block_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int
 def _final_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int, res) -> list[dict[str, Any]]:
     """What the finished choice still holds back, then its finishing chunk."""
     *deltas, (reasoning, content, call) = st.reply.push("", True)
-    out = []
+    out = _echo_chunk(sub, model, st, index, res.prompt_logprobs)
     for r, c, t in deltas:
         out.append(adapter.chunk(sub, model, r, c, at=adapter.At(index, st.first), tool_call=t))
         st.first = False
@@ -474,6 +474,16 @@ def _final_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int
     out.append(adapter.chunk(sub, model, reasoning, content, finish=finish, at=adapter.At(index, st.first),
                              tool_call=call))
     return out
+
+
+def _echo_chunk(sub: adapter.Submission, model: str, st: _Streamed, index: int, prompt_lps: list) -> list[dict]:
+    """Completions with `echo`: before the choice's first chunk, one with the prompt's text (and its tokens'
+    logprobs when asked)."""
+    if not (sub.echo and st.first):
+        return []
+    lps = st.logprobs.of([], sub.echo_ids, prompt_lps) if sub.logprobs is not None else None
+    st.first = False
+    return [adapter.chunk(sub, model, content=sub.echo_text, at=adapter.At(index, True, lps))]
 
 
 def _chunk_logprobs(sub: adapter.Submission, st: _Streamed, block) -> dict[str, Any] | None:

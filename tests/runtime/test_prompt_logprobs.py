@@ -59,3 +59,37 @@ def test_asking_changes_no_seeded_sample_and_no_other_request(gen):
     scored, beside = scored.wait(), beside.wait()
     assert scored.token_ids == alone and beside.token_ids == other_alone
     assert len(scored.prompt_logprobs) == len(scored.prompt_ids) and all(not t.top for t in scored.prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize("decoding", ["self_spec", "low_confidence"])
+def test_requests_asking_for_different_alternatives_share_a_step(gen, decoding):
+    """The device reads back the most alternatives any row of the step asked for; each request gets its own
+    first k, position by position (prompt and response)."""
+    kw = dict(raw=True, decoding=decoding, max_new_tokens=12)
+    few, many = gen.submit(PROMPT, prompt_logprobs=1, logprobs=1, **kw), gen.submit(PROMPT, prompt_logprobs=4,
+                                                                                   logprobs=4, **kw)
+    few, many = few.wait(), many.wait()
+    assert few.token_ids == many.token_ids
+    for a, b in [(few.prompt_logprobs[1:], many.prompt_logprobs[1:]), (few.logprobs, many.logprobs)]:
+        assert len(a) == len(b) > 0
+        assert [[i for i, _ in t.top] for t in a] == [[i for i, _ in t.top[:1]] for t in b]  # the same ids
+        assert [t.top[0][1] for t in a] == pytest.approx([t.top[0][1] for t in b], abs=1e-5)  # rows of one batch
+        assert all(len(t.top) == 4 for t in b)
+
+
+def test_absolute_alignment_scores_under_ar_and_refuses_low_confidence(tiny_dir, tmp_path):
+    """Absolute alignment puts the prompt's tail in the first block under low_confidence, so its rows are not
+    prefilled: refused naming the parameter; ar's blocks follow the prompt, so it scores every token."""
+    import json
+    import shutil
+
+    from clover_export.core.errors import CloverError
+
+    folder = shutil.copytree(tiny_dir, tmp_path / "absolute")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "block_alignment": "absolute"}))
+    gen = Generator.load(folder, "torch", dtype="fp32", max_slots=1, prefix_cache=False)
+    with pytest.raises(CloverError, match="prompt_logprobs"):
+        gen.submit(PROMPT, raw=True, decoding="low_confidence", prompt_logprobs=0)
+    r = gen.generate(PROMPT, raw=True, decoding="ar", prompt_logprobs=0, max_new_tokens=2)
+    assert len(r.prompt_logprobs) == len(r.prompt_ids) and all(t is not None for t in r.prompt_logprobs[1:])

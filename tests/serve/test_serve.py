@@ -415,8 +415,6 @@ def test_other_errors(server, client):
     check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 4000}), 400,
                 "prompt", "context_length_exceeded")
     check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": ["a", "b"]}), 400, "prompt")
-    check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "echo": True, "stream": True}), 400,
-                "echo")
     check_error(post(server, "/v1/completions", {"model": MODEL_ID, "prompt": [[1, 2], [3]]}), 400, "prompt")
     check_error(post(server, "/v1/chat/completions", {**CHAT, "model": "gpt-4"}), 404, "model", "model_not_found")
     check_error(httpx.get(server.url + "/v1/nothing"), 404)

@@ -126,6 +126,17 @@ def test_echo_gives_the_prompt_tokens_transformers_log_softmax(client, reference
     alone = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                       extra_body=dict(PLAIN, decoding=decoding))
     assert plain.choices[0].text == PROMPT + alone.choices[0].text and plain.choices[0].logprobs is None
+    # streamed: the prompt's chunk first, then the completion's; joined, the same text and logprobs
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True,
+                                      extra_body=dict(PLAIN, decoding=decoding))
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                   logprobs=2, echo=True, stream=True,
+                                                   extra_body=dict(PLAIN, decoding=decoding)) if c.choices]
+    assert chunks[0].choices[0].text == PROMPT
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    joined = [(t, v) for c in chunks if c.choices[0].logprobs
+              for t, v in zip(c.choices[0].logprobs.tokens, c.choices[0].logprobs.token_logprobs)]
+    assert joined == list(zip(whole.choices[0].logprobs.tokens, whole.choices[0].logprobs.token_logprobs))
 
 def test_low_confidence_logprobs_are_labelled_the_block_distribution(client):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
