@@ -455,7 +455,7 @@ async def _sse(group: Choices, sub: adapter.Submission, request: Request, deadli
 
 def _block_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int, block) -> list[dict[str, Any]]:
     """A block's chunks for choice `index`; the first carries the block's tokens' logprobs."""
-    out = _echo_chunk(sub, model, st, index, block.prompt_logprobs)
+    out = _echo_chunk(sub, model, st, index, block)
     lps = _chunk_logprobs(sub, st, block)
     for reasoning, content, call in st.reply.push(block.text, block.finished):
         out.append(adapter.chunk(sub, model, reasoning, content, at=adapter.At(index, st.first, lps), tool_call=call))
@@ -466,7 +466,7 @@ def _block_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int
 def _final_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int, res) -> list[dict[str, Any]]:
     """What the finished choice still holds back, then its finishing chunk."""
     *deltas, (reasoning, content, call) = st.reply.push("", True)
-    out = _echo_chunk(sub, model, st, index, res.prompt_logprobs)
+    out = _echo_chunk(sub, model, st, index, res)
     for r, c, t in deltas:
         out.append(adapter.chunk(sub, model, r, c, at=adapter.At(index, st.first), tool_call=t))
         st.first = False
@@ -476,12 +476,12 @@ def _final_chunks(sub: adapter.Submission, model: str, st: _Streamed, index: int
     return out
 
 
-def _echo_chunk(sub: adapter.Submission, model: str, st: _Streamed, index: int, prompt_lps: list) -> list[dict]:
+def _echo_chunk(sub: adapter.Submission, model: str, st: _Streamed, index: int, event) -> list[dict]:
     """Completions with `echo`: before the choice's first chunk, one with the prompt's text (and its tokens'
-    logprobs when asked)."""
+    logprobs when asked: the first block's `StreamChunk`, or the `Result`, carries them)."""
     if not (sub.echo and st.first):
         return []
-    lps = st.logprobs.of([], sub.echo_ids, prompt_lps) if sub.logprobs is not None else None
+    lps = st.logprobs.of([], sub.echo_ids, event.prompt_logprobs) if sub.logprobs is not None else None
     st.first = False
     return [adapter.chunk(sub, model, content=sub.echo_text, at=adapter.At(index, True, lps))]
 
