@@ -268,7 +268,7 @@ def test_a_server_process_whose_engine_stops_exits_non_zero(tiny_dir):
                 time.sleep(0.02)
 
         with ThreadPoolExecutor(3) as pool:
-            running = pool.submit(completion, url, LONG["prompt"], 1000, True, threshold=1.0)
+            running = pool.submit(completion, url, LONG["prompt"], 1000, True, threshold=1.0, ignore_eos=True)
             time.sleep(1.0)
             threading.Thread(target=watch_health, daemon=True).start()
             poisoned = completion(url, "Hi", 13)
