@@ -193,7 +193,7 @@ class Runner:
             if "block" in got:  # a step of prompt rows only reads back their scores (prompt logprobs)
                 out.block, out.tokens, out.lead = got["block"], got["tokens"], got["lead"][0]
                 out.ar_tokens, out.sampled = got["ar_tokens"], tuple(got["sampled"])
-            out.verdict = None if row.scored else req.strategy.verdict(req, out, row)  # scoring rows verify nothing
+            out.verdict = req.strategy.verdict(req, out, row)
             outs.append(out)
         return outs
 

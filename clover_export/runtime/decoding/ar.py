@@ -69,7 +69,7 @@ class Ar(Strategy):
         return c
 
     def verdict(self, req, out: RowOutput, rows: Rows) -> Verdict | None:
-        if not rows.logit_rows:
+        if not rows.verified_rows:
             return None
         m, bonus = out.sampled
         if m < 0:  # greedy: not sampled on the device

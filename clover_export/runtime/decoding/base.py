@@ -49,6 +49,12 @@ class Rows:
     draft: list[int] = field(default_factory=list)
     scored: list[int] = field(default_factory=list)  # prompt logprobs: the prompt token each logit row scores
 
+    @property
+    def verified_rows(self) -> list[int]:
+        """The logit rows the strategy reads (verification): none in a scoring chunk, whose logit rows only
+        score the prompt."""
+        return [] if self.scored else self.logit_rows
+
 
 @dataclass
 class Verdict:

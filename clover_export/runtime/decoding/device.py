@@ -48,7 +48,7 @@ class DeviceStep:
         plan = self.plan
         return [r for r, (req, row) in enumerate(zip(plan.requests, plan.rows))
                 if req.strategy.takes(work) and (row.block is not None or not with_block)
-                and (work is not DeviceWork.VERIFY or (row.logit_rows and not row.scored))]
+                and (work is not DeviceWork.VERIFY or row.verified_rows)]
 
     def sampling(self, rows: list[int]) -> list[int]:
         return [r for r in rows if self.plan.requests[r].params.do_sample]
@@ -79,7 +79,7 @@ def run(step: DeviceStep) -> dict[str, torch.Tensor] | None:
 def apply_logit_hooks(step: DeviceStep) -> None:
     """The hook for per-row logit masks (e.g. grammar-constrained decoding): before any control or choice."""
     for r, (req, rows) in enumerate(zip(step.plan.requests, step.plan.rows)):
-        if req.strategy.logit_hook and not rows.scored and (rows.logit_rows or rows.block is not None):
+        if req.strategy.logit_hook and (rows.verified_rows or rows.block is not None):
             req.strategy.mask_logits(req, step.logits[r], step.causal_logits[r])
 
 
