@@ -45,16 +45,16 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from clover_export.testing import server
 
 MODES = ("low_confidence", "ar", "self_spec")
 SYSTEMS = ("You are a careful assistant. Answer with the result only.",
@@ -139,33 +139,12 @@ class Report:
 
 
 # --- the server -------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(o: Options, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "clover_export.cli", "serve", *([o.model] if o.model else []), "--host", "127.0.0.1",
-           "--port", str(port), "--max-batch", str(o.max_batch), "--max-body-bytes", str(o.max_body_bytes),
-           "--log-level", "warning", *(["--backend", o.backend] if o.backend else [])]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited {proc.returncode}: {log_path.read_text()[-500:]}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError("the server did not come up in 300 s")
+    args = [*([o.model] if o.model else []), "--host", "127.0.0.1", "--max-batch", str(o.max_batch),
+            "--max-body-bytes", str(o.max_body_bytes), "--log-level", "warning",
+            *(["--backend", o.backend] if o.backend else [])]
+    return server.start_server(*args, timeout=300, log=log_path,
+                               env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
 
 
 def rss_mb(pid: int) -> float:

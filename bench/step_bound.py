@@ -167,8 +167,8 @@ VARIANTS = {
     "baseline": {},
     **{flag: {flag: True} for flag in PRODUCT},  # each change alone
     "product": PRODUCT,
-    # candidates on top of the product (larger down-projection tiles, attention BLOCK_M 128, FA's splits)
-    "product_down_n128": dict(PRODUCT, moe_tiles={"BLOCK_N2": 128}),
+    # candidates on top of the product (the down projection's earlier tile, attention BLOCK_M 128, FA's splits)
+    "product_down_n64": dict(PRODUCT, moe_tiles={"BLOCK_N2": 64}),
     "product_attn_m128": dict(PRODUCT, attn_tiles=(128, 64, 8, 2)),
     "product_attn_waves": dict(PRODUCT, attn_split_rule="waves"),
 }

@@ -76,10 +76,10 @@ def sub_op_chain(x, rw, gu, dn, gs, ds, attrs, launcher, ptx_dir, cache):
 
 
 def check_case(name, B, Tc, fp8, launcher, ptx_dir, cache, results):
-    from clover_export.engines.quantize import quantize_weight
     from clover_export.model import moe_split as S
     from clover_export.model.moe import moe_core
     from clover_export.plugins.triton.ops import coreset_moe
+    from clover_export.quantize.scales import quantize_weight
 
     D, E, k, I, N = REAL["D"], REAL["E"], REAL["k"], REAL["I"], REAL["N"]
     g = torch.Generator(device="cuda").manual_seed(3)

@@ -128,7 +128,10 @@ def test_moe_subop_plans_and_output_shapes():
             assert d.alias_of is None and d.shape == MOE_SHAPES[d.name], (op, d)
     grids = {op: _plan(op).grid for op in MOE_SUBOPS}
     assert grids["MoERoute"] == (2, 1 + (64 - 32 + 15) // 16, 1) and grids["MoEAlign"] == (1, 1, 1)
-    assert grids["MoEGateUp"] == (256, 512 // 64, 1) and grids["MoEDown"] == (256, 2048 // 64, 1)
+    tiles = launch.MOE_TILES[90]  # one program per (expert, output tile): intermediate 512, hidden 2048
+    assert grids["MoEGateUp"] == (256, 512 // tiles["BLOCK_N1"], 1)
+    assert grids["MoEDown"] == (256, 2048 // tiles["BLOCK_N2"], 1)
+    assert _plan("MoEDownFP8").grid == (256, 2048 // launch.MOE_TILES_FP8[90]["BLOCK_N2"], 1)
     assert grids["MoECombine"] == (2 * 64, 2048 // 256, 1)
     fp8 = _plan("MoEGateUpFP8").variant
     assert fp8.signature["gate_up_fp8"] == "*fp8e4nv" and fp8.constexprs["HAS_SCALE"] is True

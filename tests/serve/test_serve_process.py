@@ -2,67 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from click.testing import CliRunner
 
 from clover_export.cli import main
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(*args, timeout=240, env=None, log: Path | None = None):
-    """`clover-export serve *args` on a free port, once /health is 200: (process, url). Output goes to a pipe
-    read at the end (communicate), so keep it short (--log-level warning) for servers that answer many requests;
-    or, given `log`, to that file, readable while the server runs."""
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    with open(log, "w") if log else contextlib.nullcontext(subprocess.PIPE) as out:
-        proc = subprocess.Popen([sys.executable, "-m", "clover_export.cli", "serve", "--port", str(port), *args],
-                                stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"server did not come up:\n{server_output(proc, log)[-3000:]}")
-
-
-def server_output(proc, log: Path | None = None) -> str:
-    """What the server wrote: the file `log`, or the pipe (once the process has ended)."""
-    return log.read_text(errors="replace") if log else proc.communicate()[0]
-
-
-def stop_server(proc, log: Path | None = None) -> str:
-    """SIGTERM a server still running, give it 60 s to exit (then kill it); its output."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    proc.wait()
-    return server_output(proc, log)
+from clover_export.testing.server import free_port, server_output, start_server, stop_server  # noqa: F401 (re-exported)
 
 
 def stream_events(url, body, accepted: threading.Event, out: list):
