@@ -113,6 +113,8 @@ class Outcome:
 class Sample:
     t: float  # seconds since the traffic started
     rss_mb: float
+    heap_in_use_mb: float  # the server's C heap (clover_heap_bytes; 0 without glibc): held by live allocations
+    heap_free_mb: float  # ... and kept free by the allocator (fragmentation when it grows with RSS)
     running: float
     waiting: float
     snapshot_bytes: float
@@ -168,6 +170,8 @@ def server_figures(url: str) -> dict[str, float]:
                 out[f"{s.labels['kind']}_bytes"] = s.value
             elif s.name == "clover_prefix_cache_budget_bytes":
                 out["budget_bytes"] = s.value
+            elif s.name == "clover_heap_bytes":
+                out[f"heap_{s.labels['state']}_mb"] = s.value / 2**20
             elif s.name == "clover_requests_total" and s.labels.get("status", "").startswith("5"):
                 out["server_5xx"] += s.value
     return out
@@ -357,7 +361,8 @@ def sample(proc, url: str, traffic: Traffic, t0: float, since: float) -> Sample:
     now = time.monotonic()
     f = server_figures(url)
     lat = latencies(traffic.outcomes, since, now)
-    return Sample(t=now - t0, rss_mb=rss_mb(proc.pid), running=f.get("running", 0), waiting=f.get("waiting", 0),
+    return Sample(t=now - t0, rss_mb=rss_mb(proc.pid), heap_in_use_mb=f.get("heap_in_use_mb", 0.0),
+                  heap_free_mb=f.get("heap_free_mb", 0.0), running=f.get("running", 0), waiting=f.get("waiting", 0),
                   snapshot_bytes=f.get("snapshots_bytes", 0), parked_bytes=f.get("parked_bytes", 0),
                   budget_bytes=f.get("budget_bytes", 0), server_5xx=f["server_5xx"],
                   requests=len(traffic.outcomes), errors=sum(not o.ok for o in traffic.outcomes),
@@ -371,7 +376,8 @@ async def sampler(proc, url, traffic: Traffic, o: Options, t0: float, stop_at: f
         out.append(await asyncio.to_thread(sample, proc, url, traffic, t0, since))
         since = time.monotonic()
         s = out[-1]
-        print(f"t={s.t:7.1f}s rss={s.rss_mb:7.1f}MB running={s.running:.0f} waiting={s.waiting:.0f} "
+        print(f"t={s.t:7.1f}s rss={s.rss_mb:7.1f}MB heap={s.heap_in_use_mb:.1f}+{s.heap_free_mb:.1f}free "
+              f"running={s.running:.0f} waiting={s.waiting:.0f} "
               f"cache={s.snapshot_bytes / 2**20:.1f}+{s.parked_bytes / 2**20:.1f}MiB requests={s.requests} "
               f"errors={s.errors} p50/p99={s.p50_ms or 0:.0f}/{s.p99_ms or 0:.0f}ms", flush=True)
 
@@ -394,8 +400,12 @@ def judge(rep: Report, traffic: Traffic, o: Options, duration: float) -> dict:
     c = {}
     if first and last:
         base, end = statistics.mean(s.rss_mb for s in first), statistics.mean(s.rss_mb for s in last)
+        heap = {k: (statistics.mean(getattr(s, k) for s in first), statistics.mean(getattr(s, k) for s in last))
+                for k in ("heap_in_use_mb", "heap_free_mb")}
         c["rss"] = (end <= base * (1 + o.rss_growth), f"{base:.1f} MB after warm-up -> {end:.1f} MB in the last "
-                    f"window ({100 * (end / base - 1):+.1f} %, limit {100 * o.rss_growth:.0f} %)")
+                    f"window ({100 * (end / base - 1):+.1f} %, limit {100 * o.rss_growth:.0f} %); C heap in use "
+                    f"{heap['heap_in_use_mb'][0]:.1f} -> {heap['heap_in_use_mb'][1]:.1f} MB, kept free "
+                    f"{heap['heap_free_mb'][0]:.1f} -> {heap['heap_free_mb'][1]:.1f} MB")
     else:
         c["rss"] = (False, "too few samples")
     d = rep.drained
@@ -474,10 +484,11 @@ def summary(rep: Report) -> str:
              ", ".join(f"{k} {v['n']} ({v['unexpected']})" for k, v in sorted(rep.counts.items())), ""]
     for name, (ok, detail) in rep.criteria.items():
         lines.append(f"- {'PASS' if ok else 'FAIL'} {name}: {detail}")
-    lines += ["", "| t s | RSS MB | running | waiting | snapshots MiB | parked MiB | requests | errors | p50 ms "
-              "| p99 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| t s | RSS MB | heap in use MB | heap free MB | running | waiting | snapshots MiB | parked MiB "
+              "| requests | errors | p50 ms | p99 ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in rep.samples + ([rep.drained] if rep.drained else []):
-        lines.append(f"| {s.t:.0f} | {s.rss_mb:.1f} | {s.running:.0f} | {s.waiting:.0f} | "
+        lines.append(f"| {s.t:.0f} | {s.rss_mb:.1f} | {s.heap_in_use_mb:.1f} | {s.heap_free_mb:.1f} | "
+                     f"{s.running:.0f} | {s.waiting:.0f} | "
                      f"{s.snapshot_bytes / 2**20:.2f} | {s.parked_bytes / 2**20:.2f} | {s.requests} | {s.errors} | "
                      f"{s.p50_ms or 0:.0f} | {s.p99_ms or 0:.0f} |")
     return "\n".join(lines)
@@ -494,8 +505,11 @@ def plot(rep: Report, path: Path) -> str:
     ss = rep.samples
     t = [s.t / 60 for s in ss]
     fig, ax = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
-    ax[0].plot(t, [s.rss_mb for s in ss])
-    ax[0].set_ylabel("RSS MB")
+    ax[0].plot(t, [s.rss_mb for s in ss], label="RSS")
+    ax[0].plot(t, [s.heap_in_use_mb for s in ss], label="C heap in use")
+    ax[0].plot(t, [s.heap_free_mb for s in ss], label="C heap kept free")
+    ax[0].set_ylabel("MB")
+    ax[0].legend()
     ax[1].plot(t, [s.running for s in ss], label="rows running")
     ax[1].plot(t, [s.waiting for s in ss], label="waiting")
     ax[1].legend()

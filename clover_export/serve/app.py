@@ -207,6 +207,7 @@ def _routes(app: FastAPI) -> None:
         running, waiting = eng.load_figures()
         m.load(running, waiting)
         m.cache(eng.gen.prefix_cache if eng.gen is not None else None)
+        m.heap()
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
     _door_routes(app)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from clover_export.core import heap
 from clover_export.core.errors import CloverError
 
 log = logging.getLogger("clover_export.serve")
@@ -125,6 +126,9 @@ class Engine:
     _abort: Exception | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
+    # the C heap's free pages go back to the system every 30 s of stepping and when the batch empties: the
+    # steps' varying tensor sizes otherwise fragment glibc's arenas and resident memory creeps (core/heap.py)
+    heap_trimmer: heap.Trimmer = field(default_factory=heap.Trimmer)
 
     # --- any thread ---------------------------------------------------------------
     def start(self) -> None:
@@ -239,6 +243,7 @@ class Engine:
         while True:
             with self._cond:
                 while not (self._inbox or self._cancels or self._stop or self._abort or self.gen.loop.has_work()):
+                    self.heap_trimmer.idle()
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
@@ -257,6 +262,7 @@ class Engine:
             if self.gen.loop.has_work():
                 self._step()
                 self._flush()
+                self.heap_trimmer.worked()
 
     def _admit(self, job: Job) -> None:
         try:

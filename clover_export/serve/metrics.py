@@ -6,8 +6,8 @@ block, DECODING.md 4), prompt tokens resumed from the prefix cache; per
 finished request its decoding mode (a label of the validated modes only) and,
 for a drafting mode (self_spec), the draft tokens accepted per verifying forward (DECODING.md 5). Per
 engine step: step time, running rows, queue depth. At each scrape: the
-prefix cache's hit rate and bytes (docs/prefix_cache.md). Beside them, the `vllm:` names dashboards read
-(metrics_vllm.py).
+prefix cache's hit rate and bytes (docs/prefix_cache.md), the C heap in use and kept free (core/heap.py).
+Beside them, the `vllm:` names dashboards read (metrics_vllm.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from clover_export.core import heap
 from clover_export.runtime import decoding as modes
 from clover_export.serve import adapter
 from clover_export.serve.metrics_vllm import VllmMetrics
@@ -71,6 +72,8 @@ class Metrics:
                                  "(K/V rows and GDN states of finished sequences kept in idle slots)", ["kind"],
                                  registry=r)
         self.cache_budget = Gauge(PREFIX + "prefix_cache_budget_bytes", "prefix cache snapshot budget", registry=r)
+        self.heap_bytes = Gauge(PREFIX + "heap_bytes", "the process's C heap (glibc): in_use by live allocations, "
+                                "free kept by the allocator for reuse (core/heap.py)", ["state"], registry=r)
         self.vllm = VllmMetrics(r, model_name)
 
     def step(self, seconds: float, running: int, waiting: int) -> None:
@@ -115,6 +118,12 @@ class Metrics:
         self.cache_bytes.labels("snapshots").set(figures.get("snapshot_bytes", 0))
         self.cache_bytes.labels("parked").set(figures.get("parked_bytes", 0))
         self.cache_budget.set(figures.get("budget_bytes", 0))
+
+    def heap(self) -> None:
+        """The C heap now: in use and kept free (absent without glibc)."""
+        figures = heap.heap_bytes()
+        for state, value in (figures or {}).items():
+            self.heap_bytes.labels(state).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

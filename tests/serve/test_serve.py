@@ -551,6 +551,8 @@ def test_models_and_metrics(server, client):
         assert delta(name) == 1
     assert delta("clover_step_seconds_count") >= out.model_extra["clover"]["denoise_steps"]
     assert "clover_queue_depth{}" in after and "clover_running_rows{}" in after
+    # the process's C heap (glibc): the loaded model's tensors alone hold more than 1 MiB
+    assert after['clover_heap_bytes{"state": "in_use"}'] > 2**20 and 'clover_heap_bytes{"state": "free"}' in after
     assert delta("clover_requests_total", {"endpoint": "/v1/chat/completions", "status": "400"}) == 1
     # low_confidence by default: counted by its mode, nothing drafted to observe
     assert delta("clover_decoding_requests_total", {"decoding": "low_confidence"}) == 1
@@ -575,6 +577,16 @@ def test_models_and_metrics(server, client):
     modes = {json.loads(k[len("clover_decoding_requests_total"):])["decoding"] for k in after
              if k.startswith("clover_decoding_requests_total{")}
     assert modes == {"low_confidence", "ar", "self_spec"}
+
+
+def test_the_engine_gives_the_heap_back_when_the_batch_empties(server, client):
+    trimmer = engine(server).heap_trimmer
+    before = trimmer.trims
+    client.completions.create(model=MODEL_ID, prompt="What is 2 + 3?", max_tokens=8)
+    end = time.monotonic() + 10
+    while trimmer.trims == before and time.monotonic() < end:
+        time.sleep(0.05)
+    assert trimmer.trims > before and not trimmer.dirty
 
 
 def test_metrics_label_requests_by_route_not_by_raw_path(server):
