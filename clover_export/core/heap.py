@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import time
 
 
@@ -52,14 +53,21 @@ def trim() -> bool:
 
 class Trimmer:
     """A long-running loop's heap keeper: `worked()` after each unit of work trims at most every `every_s`
-    seconds; `idle()` when the work stops trims once if any work ran since the last trim. What a trim costs
+    seconds (default: $CLOVER_HEAP_TRIM_S, else 30; 0 or less: never); `idle()` when the work stops trims
+    once if any work ran since the last trim. What a trim costs
     (a walk of the arenas' free lists, about a millisecond for a few hundred MB) is paid off the hot path."""
 
-    def __init__(self, every_s: float = 30.0, clock=time.monotonic):
+    ENV = "CLOVER_HEAP_TRIM_S"  # the period in seconds; 0 turns trimming off
+
+    def __init__(self, every_s: float | None = None, clock=time.monotonic):
+        if every_s is None:
+            every_s = float(os.environ.get(self.ENV, "30"))
         self.every_s, self.clock = every_s, clock
         self.last, self.dirty, self.trims = clock(), False, 0
 
     def worked(self) -> None:
+        if self.every_s <= 0:
+            return
         self.dirty = True
         if self.clock() - self.last >= self.every_s:
             self._trim()

@@ -76,3 +76,17 @@ def test_trimmer_trims_every_period_of_work_and_once_when_the_work_stops(monkeyp
     t.idle()
     t.idle()
     assert t.trims == 2 and len(calls) == 2  # the work stopped: one trim, however long the idle
+
+
+def test_trimming_is_off_at_a_period_of_zero_from_the_environment(monkeypatch):
+    monkeypatch.setattr(heap, "trim", lambda: pytest.fail("trimmed while off"))
+    monkeypatch.setenv(heap.Trimmer.ENV, "0")
+    clock = FakeClock()
+    t = heap.Trimmer(clock=clock)
+    for _ in range(100):
+        clock.t += 1
+        t.worked()
+    t.idle()
+    assert t.trims == 0
+    monkeypatch.setenv(heap.Trimmer.ENV, "5")
+    assert heap.Trimmer().every_s == 5
