@@ -38,7 +38,7 @@ def test_in_use_follows_live_allocations_and_a_trim_gives_fragmented_pages_back(
     try:
         freed = heap.heap_bytes()
         assert held["in_use"] - freed["in_use"] >= 0.9 * CHUNK * COUNT
-        assert freed["free"] - before["free"] >= 0.9 * CHUNK * COUNT  # kept by the allocator...
+        assert freed["free"] - held["free"] >= 0.9 * CHUNK * COUNT  # kept by the allocator...
         resident = rss_mb()
         assert heap.trim()
         assert resident - rss_mb() >= 0.8 * CHUNK * COUNT / 2**20  # ...until the trim hands the pages back
