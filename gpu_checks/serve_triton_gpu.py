@@ -52,8 +52,8 @@ class Checks:
             self.check(False, f"{label}: {type(e).__name__}: {e}")
 
 
-def chat(client: openai.OpenAI, mode: str, **kw):
-    return client.chat.completions.create(model=client.model_id, messages=kw.pop("messages", QUESTION),
+def chat(client: openai.OpenAI, model: str, mode: str, **kw):
+    return client.chat.completions.create(model=model, messages=kw.pop("messages", QUESTION),
                                           max_tokens=kw.pop("max_tokens", 48), temperature=0,
                                           extra_body={"decoding": mode}, **kw)
 
@@ -72,26 +72,27 @@ def main() -> int:
     c = Checks()
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300)
-        client.model_id = client.models.list().data[0].id
+        model = client.models.list().data[0].id
         texts = {}
 
         def modes():
             for mode in MODES:
-                out = chat(client, mode)
+                out = chat(client, model, mode)
                 texts[mode] = out.choices[0].message.content
                 c.check(bool(texts[mode]) and out.usage.completion_tokens > 0,
                         f"{mode}: {out.usage.completion_tokens} tokens, {texts[mode]!r}")
             c.check(texts["ar"] == texts["self_spec"], "ar and self_spec answers equal")
 
         def stream():
-            parts = [ch.choices[0].delta.content or "" for ch in chat(client, "self_spec", stream=True) if ch.choices]
+            chunks = chat(client, model, "self_spec", stream=True)
+            parts = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
             c.check("".join(parts) == texts.get("self_spec"), f"streamed self_spec text equals unstreamed "
                     f"({len(parts)} chunks)")
 
         def logprobs():
             got = {}
             for mode in ("ar", "self_spec"):
-                out = chat(client, mode, logprobs=True, top_logprobs=3)
+                out = chat(client, model, mode, logprobs=True, top_logprobs=3)
                 entries = out.choices[0].logprobs.content
                 top1 = all(e.top_logprobs and abs(e.logprob - e.top_logprobs[0].logprob) < 1e-6 for e in entries)
                 c.check(len(entries) == out.usage.completion_tokens and top1,
@@ -102,18 +103,18 @@ def main() -> int:
                     f"ar and self_spec logprobs within 1e-3 (max diff {diff:.2e})")
 
         def n2():
-            out = chat(client, "ar", n=2, max_tokens=16)
+            out = chat(client, model, "ar", n=2, max_tokens=16)
             c.check(len(out.choices) == 2 and all(ch.message.content for ch in out.choices), "n 2: two choices")
 
         def schema():
-            out = chat(client, "self_spec", max_tokens=64, response_format={
+            out = chat(client, model, "self_spec", max_tokens=64, response_format={
                 "type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}})
             ch = out.choices[0]
             ok = ch.finish_reason == "length" or isinstance(json.loads(ch.message.content).get("answer"), str)
             c.check(ok, f"json_schema answer {ch.message.content!r} ({ch.finish_reason})")
 
         def tools():
-            out = chat(client, "ar", max_tokens=64, tools=[TOOL], tool_choice="required")
+            out = chat(client, model, "ar", max_tokens=64, tools=[TOOL], tool_choice="required")
             calls = out.choices[0].message.tool_calls or []
             ok = bool(calls) and all(isinstance(json.loads(t.function.arguments), dict) for t in calls)
             c.check(ok, f"tool_choice required: {[(t.function.name, t.function.arguments) for t in calls]}")
@@ -121,7 +122,7 @@ def main() -> int:
         def load():
             for mode in MODES:
                 def one(p, mode=mode):
-                    out = client.completions.create(model=client.model_id, prompt=p, max_tokens=64, temperature=0,
+                    out = client.completions.create(model=model, prompt=p, max_tokens=64, temperature=0,
                                                     extra_body={"decoding": mode, "ignore_eos": True})
                     return out.usage.completion_tokens
                 t = time.perf_counter()

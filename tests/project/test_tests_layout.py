@@ -36,7 +36,7 @@ def test_module_names_are_unique_across_folders():
 
 
 def test_every_group_folder_is_on_the_import_path(pytestconfig):
-    """pyproject.toml's `pythonpath` lists each folder, so `from test_serve_process import start_server` works
+    """pyproject.toml's `pythonpath` lists each folder, so `from test_loop import LONG, PROMPTS` works
     from any folder and when one file runs alone."""
     on_path = {Path(p).resolve() for p in pytestconfig.getini("pythonpath")}
     assert [p.name for p in group_folders() if p not in on_path] == []

@@ -10,7 +10,6 @@ from __future__ import annotations
 import httpx
 import pytest
 from click.testing import CliRunner
-from test_serve_process import start_server, stop_server
 
 from clover_export.cli import main
 from clover_export.cli.generate import generate
@@ -18,6 +17,7 @@ from clover_export.core import generation
 from clover_export.core.errors import CloverError
 from clover_export.core.generation import PARAMETERS, Choice, GenerationSettings
 from clover_export.serve import protocol
+from clover_export.testing.server import start_server, stop_server
 
 # The defaults as the model card and DECODING.md 1.2 and 3 give them (copied by hand: the table must keep them).
 DEFAULTS = {

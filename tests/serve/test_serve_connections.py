@@ -17,7 +17,8 @@ import time
 
 import httpx
 import pytest
-from test_serve_process import start_server, stop_server
+
+from clover_export.testing.server import start_server, stop_server
 
 KEY = "sk-clover-conn-5e1b"
 AUTH = f"Authorization: Bearer {KEY}\r\n".encode()

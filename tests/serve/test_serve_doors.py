@@ -15,13 +15,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_serve import ThreadServer
-from test_serve_process import start_server, stop_server
 from test_serve_tools import SCRIPT, SORT, TOOLS, WEATHER, pieces, scripted_deliver
 
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.doors import common, messages
 from clover_export.serve.engine import Engine
+from clover_export.testing.server import start_server, stop_server
 
 KEY = "sk-clover-doors-7c2d"
 MODEL = "clover-tiny"

@@ -21,12 +21,12 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from test_serve import LONG, ThreadServer, check_error
-from test_serve_process import free_port
 
 from clover_export.cli import main
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.engine import Job
+from clover_export.testing.server import free_port
 
 MODEL_ID = "clover-tiny"
 GOOD = [("The answer is", 12), ("What is 2 + 3?", 40), ("12*12=", 12)]

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from test_serve_process import start_server, stop_server
 
 from clover_export.serve import protocol
 from clover_export.serve.protocol import ApiError
+from clover_export.testing.server import start_server, stop_server
 
 KEY = "sk-clover-test-7f3a"
 ORIGIN, OTHER_ORIGIN, EVIL = "https://app.example", "https://other.example", "https://evil.example"

@@ -16,7 +16,8 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from test_serve_process import start_server, stop_server
+
+from clover_export.testing.server import start_server, stop_server
 
 MODEL = "clover-tiny"
 DATA = Path(__file__).with_name("lm_eval_sort.jsonl")

@@ -19,7 +19,8 @@ import httpx
 import openai
 import pytest
 import torch
-from test_serve_process import start_server, stop_server
+
+from clover_export.testing.server import start_server, stop_server
 
 MODEL = "clover-tiny"
 # neutral controls: the greedy token is the raw causal argmax (the mask token aside), as the reference takes it

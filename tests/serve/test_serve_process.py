@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from clover_export.cli import main
-from clover_export.testing.server import free_port, server_output, start_server, stop_server  # noqa: F401 (re-exported)
+from clover_export.testing.server import free_port, start_server
 
 
 def stream_events(url, body, accepted: threading.Event, out: list):

@@ -19,9 +19,9 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_serve_process import start_server, stop_server
 
 from clover_export.core.errors import CloverError
+from clover_export.testing.server import start_server, stop_server
 from clover_export.tiny.tokenizer_assets import special_token_ids
 
 IDS = special_token_ids()  # the embedded tokenizer's special tokens are its first ids, 0..5

@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from test_serve import LONG, ThreadServer, check_error
-from test_serve_process import start_server
 
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
+from clover_export.testing.server import start_server
 
 # exactly one token per step (threshold 1.0), end tokens ignored: ~1000 steps unless cancelled
 ENDLESS = {**LONG, "max_tokens": 1000}

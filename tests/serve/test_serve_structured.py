@@ -11,7 +11,8 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from test_serve_process import start_server, stop_server
+
+from clover_export.testing.server import start_server, stop_server
 
 MESSAGES = [{"role": "user", "content": "sort: 5 3 9 1"}]
 

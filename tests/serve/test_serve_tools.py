@@ -17,12 +17,12 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from test_serve import ThreadServer
-from test_serve_process import start_server, stop_server
 
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve import protocol
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.engine import Engine
+from clover_export.testing.server import start_server, stop_server
 
 TOOLS = [
     {"type": "function", "function": {
