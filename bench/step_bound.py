@@ -171,9 +171,13 @@ VARIANTS = {
     "product_down_n64": dict(PRODUCT, moe_tiles={"BLOCK_N2": 64}),
     "product_attn_m128": dict(PRODUCT, attn_tiles=(128, 64, 8, 2)),
     "product_attn_waves": dict(PRODUCT, attn_split_rule="waves"),
+    "product_no_shared_moe": dict(PRODUCT, shared_moe=False),  # the shared expert as its own GEMMs again
 }
-FP8_VARIANTS = {"product": PRODUCT, "product_w8a8": dict(PRODUCT, a8=True)}
-DRY_VARIANTS = ("baseline", "product")  # the interpreter is slow: the dry run plays the two ends (CI)
+FP8_VARIANTS = {"product": PRODUCT, "product_w8a8": dict(PRODUCT, a8=True),
+                # the down projection's earlier tile (BLOCK_N2 64) on the FP8 experts, weight-only and w8a8
+                "product_down_n64": dict(PRODUCT, moe_tiles={"BLOCK_N2": 64}),
+                "product_w8a8_down_n64": dict(PRODUCT, a8=True, moe_tiles={"BLOCK_N2": 64})}
+DRY_VARIANTS = ("baseline", "product", "product_w8a8")  # the interpreter is slow: the dry run plays the ends (CI)
 VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise", "b8_commit_denoise_fp8")
 DRY_VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise_fp8")  # the interpreter is slow: every variant, once
 
@@ -439,7 +443,7 @@ def main(argv=None) -> int:
             row = dict(name=sc["name"], router=sc["router"], ms={}, speedup={})
             res["variants"].append(row)
             for vname, flags in (FP8_VARIANTS if sc["fp8"] else VARIANTS).items():
-                if not cuda and not sc["fp8"] and vname not in DRY_VARIANTS:
+                if not cuda and vname not in DRY_VARIANTS:
                     continue
                 step = Step(model, cfg, sc, dev, dtype, fp8_experts, flags=flags)
                 with torch.no_grad():

@@ -357,8 +357,9 @@ MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
 }
 # sm_90 BLOCK_N2 128 (the down projection's output tile): on an H200, whole steps at Clover's size with the
 # triton backend's kernels, BLOCK_N2 64 -> 128: B = 8 commit+denoise 38.57 -> 34.47 ms, B = 1 denoise 9.80 -> 9.61 ms
-# (bench/step_bound.py, variant product_down_n128; bench/results/step_bound_h200_2026-12-04.json). Measured on bf16
-# experts only, so the FP8 table keeps 64.
+# (bench/step_bound.py, variant product_down_n128; bench/results/step_bound_h200_2026-12-04.json). FP8 experts take
+# the same tile: B = 8 FP8 commit+denoise 31.24 -> 31.00 ms weight-only, 26.80 -> 26.40 ms w8a8
+# (bench/results/step_bound_h200_2026-12-04_fp8_down.log).
 
 
 # FP8 experts, measured on an H200 (`python bench/step_bound.py --fp8-variants`: the MoE op alone at B = 8
@@ -367,7 +368,7 @@ MOE_TILES = {  # arch -> tiles and pipelining of the two grouped GEMMs
 # (moe.py `_row_scale`) 0.581 ms, the K-256 tiles of the tile sweep on fp16 dots 0.850 ms and widened to bf16
 # 1.020 ms. So FP8 keeps the bf16 tiles and the bf16 widening; fp16 dots stay an opt-in (tiles={"F16_DOT": True}).
 FP8_F16_DOT = False
-MOE_TILES_FP8 = {**MOE_TILES, 90: dict(MOE_TILES[90], BLOCK_N2=64)}
+MOE_TILES_FP8 = dict(MOE_TILES)
 # w8a8 (moe.py `act_quant_kernel` + e4m3 x e4m3 dots, as vLLM's fused MoE): the weights go to the MMA as stored,
 # nothing is widened in the inner loop; the activations get one fp32 scale per row. Opt-in (tiles={"A8": True})
 # until measured on a GPU (bench/step_bound.py --fp8-variants), token agreement included.
