@@ -278,6 +278,34 @@ def test_self_spec_equals_ar_on_the_trained_default(tiny_dir):
     assert sum(len(r.token_ids) for r in spec) / sum(r.forwards for r in spec) >= 3
 
 
+def test_a_draft_stops_at_its_end_token_and_a_finishing_draft_runs_without_a_block(tiny_dir):
+    """Every position drafted (threshold 0), so the block's choices run on past the answer's end token: the
+    draft stops at that token (nothing after an accepted end token is kept), and the step verifying a draft
+    that ends the request when accepted runs its causal rows alone (no block can become a next draft).
+    The output stays ar's."""
+    from clover_export.train import tasks
+
+    gen = Generator.load(tiny_dir, "torch", dtype="fp32", max_slots=8)
+    ends = set(gen.defaults.eos_token_id) | set(gen.extra_end_ids)
+    params = dict(enable_thinking=False, max_new_tokens=64, draft_threshold=0.0)
+    prompts = [ex.prompt for ex in tasks.heldout_examples(6)]
+    ar = gen.wait([gen.submit(p, decoding="ar", **params) for p in prompts])
+    seen = []
+    gen.loop.on_step = lambda plan, outputs: seen.extend(
+        (list(row.draft), row.block is not None) for req, row in zip(plan.requests, plan.rows)
+        if req.decoding == "self_spec" and row.draft)
+    try:
+        spec = gen.wait([gen.submit(p, decoding="self_spec", **params) for p in prompts])
+    finally:
+        gen.loop.on_step = None
+    assert token_ids(spec) == token_ids(ar)
+    assert all(r.token_ids[-1] in ends for r in ar)  # every answer ends at an end token, within the limit
+    assert seen and all(not ends & set(draft[:-1]) for draft, _ in seen), seen
+    finishing = [has_block for draft, has_block in seen if draft[-1] in ends]
+    assert finishing and not any(finishing), seen
+    assert all(has_block for draft, has_block in seen if draft[-1] not in ends), seen
+
+
 # --- speculative sampling -------------------------------------------------------------------------
 def _chi2_fits(counts: list[int], probs: list[float]) -> float:
     """p-value of a chi-square goodness-of-fit test (categories with expected count < 5 merged)."""
@@ -459,13 +487,15 @@ MODES_PROMPTS = ["Sort: 7 3 9 1 4", "Reverse: 4 5 6 1"]
 
 
 def _ar_case(gen, max_new_tokens: int = 24) -> list[list[int]]:
-    params = dict(max_new_tokens=max_new_tokens, draft_threshold=0.0, enable_thinking=False)
+    params = dict(max_new_tokens=max_new_tokens, draft_threshold=0.0, enable_thinking=False, ignore_eos=True)
     return [r.token_ids for r in gen.wait([gen.submit(p, decoding="ar", **params) for p in MODES_PROMPTS])]
 
 
 def _spec_case(gen, max_new_tokens: int = 24) -> dict:
-    """self_spec (every position drafted: rejections and rollbacks) beside low_confidence."""
-    params = dict(max_new_tokens=max_new_tokens, draft_threshold=0.0, enable_thinking=False)
+    """self_spec (every position drafted: rejections and rollbacks) beside low_confidence. `ignore_eos`: past
+    the answer's end token the drafts meet text the model was never trained on, where they are rejected (a
+    draft stops at an end token otherwise)."""
+    params = dict(max_new_tokens=max_new_tokens, draft_threshold=0.0, enable_thinking=False, ignore_eos=True)
     modes = ["self_spec", "low_confidence", "self_spec"]
     handles = [gen.submit(p, decoding=m, **params) for p, m in zip(MODES_PROMPTS + MODES_PROMPTS[1:], modes)]
     spec = gen.wait(handles)

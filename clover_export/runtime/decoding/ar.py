@@ -37,6 +37,22 @@ def draft_room(req) -> int:
     return max(0, min(req.block_size - 1, req.max_new_tokens - len(req.response) - 1))
 
 
+def until_end(draft: list[int], end_ids) -> list[int]:
+    """The draft up to its first end token, that token included: an accepted end token ends the response
+    (Request.append), so nothing after it is ever kept, and verifying it would only cost rows."""
+    for i, tok in enumerate(draft):
+        if tok in end_ids:
+            return draft[:i + 1]
+    return draft
+
+
+def draft_finishes(req) -> bool:
+    """Whether the draft, all accepted, ends the request: it ends with an end token, or it and the bonus
+    token reach max_new_tokens. Then no block after it can become a next draft (DECODING.md 5)."""
+    d = req.state.draft
+    return bool(d) and (d[-1] in req.end_ids or len(req.response) + len(d) + 1 >= req.max_new_tokens)
+
+
 class Ar(Strategy):
     name = "ar"
     device_work = frozenset({DeviceWork.VERIFY})
@@ -101,7 +117,7 @@ class Ar(Strategy):
         if req.append(new, lps):
             books.finish(req)
             return True
-        st.draft = v.draft[:draft_room(req)] if full else []
+        st.draft = until_end(v.draft[:draft_room(req)], req.end_ids) if full else []
         if req.grammar is not None:  # a draft never holds a token the grammar refuses
             st.draft = allowed_prefix(req.grammar, st.draft)
         return True
