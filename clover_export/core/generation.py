@@ -24,6 +24,11 @@ from clover_export.core.errors import CloverError
 from clover_export.core.json_file import read_json
 
 DRAFT_THRESHOLD = 0.5  # self_spec's default draft confidence (bench/self_spec.py measures the choice)
+# self_spec's back-off when its drafts do not pay (docs/decoding.md, Back-off): after DRAFT_MISSES block steps in a
+# row that add no draft token, the next steps run without a block, as ar, DRAFT_BACKOFF[0] of them, doubling up to
+# DRAFT_BACKOFF[1] while misses go on; an accepted or fresh draft token resets it
+DRAFT_MISSES = 2
+DRAFT_BACKOFF = (2, 32)
 
 
 @dataclass(frozen=True)

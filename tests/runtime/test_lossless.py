@@ -130,9 +130,18 @@ def run_modes(gen, modes, requests=None, enable_thinking=False, **params):
     return gen.wait(handles)
 
 
+@pytest.fixture
+def no_backoff(monkeypatch):
+    """self_spec drafts at every step however badly its drafts do (no back-off to `ar` steps)."""
+    from clover_export.runtime.decoding import self_spec
+
+    monkeypatch.setattr(self_spec, "DRAFT_MISSES", 10**9)
+
+
 @pytest.mark.parametrize("draft_threshold", [0.0, 0.3])
-def test_self_spec_equals_ar_on_random_weights_alone_and_mixed(random_gen, random_ar, draft_threshold):
-    """Random weights draft badly: most drafts are rejected and the slot's GDN states are rolled back."""
+def test_self_spec_equals_ar_on_random_weights_alone_and_mixed(random_gen, random_ar, draft_threshold, no_backoff):
+    """Random weights draft badly: most drafts are rejected and the slot's GDN states are rolled back (the
+    back-off off, so that the rejections go on)."""
     params = dict(max_new_tokens=40, draft_threshold=draft_threshold, **CONTROLS)
     ar = run_modes(random_gen, ["ar"] * 4, **params)
     assert token_ids(ar) == random_ar(**params)
@@ -147,6 +156,30 @@ def test_self_spec_equals_ar_on_random_weights_alone_and_mixed(random_gen, rando
     drafted, accepted = sum(r.drafted_tokens for r in spec), sum(r.accepted_tokens for r in spec)
     if draft_threshold == 0.0:  # every block position drafted: most are rejected and the rollback runs
         assert drafted > accepted + 20
+
+
+def test_drafts_that_add_nothing_back_off_to_ar_steps(random_gen, random_ar):
+    """Random weights: the block rarely predicts the causal model's next tokens, so self_spec backs off to
+    causal-only (`ar`) steps after DRAFT_MISSES fruitless block steps, for DRAFT_BACKOFF[0], then twice as
+    many, ... steps; a 40-token answer then runs a block in a few steps only. The output stays ar's."""
+    from clover_export.runtime.decoding.self_spec import DRAFT_BACKOFF, DRAFT_MISSES
+
+    params = dict(max_new_tokens=40, **CONTROLS)
+    steps: list[bool] = []  # per self_spec step after the prompt: whether the row ran a block
+    random_gen.loop.on_step = lambda plan, outputs: steps.extend(
+        row.block is not None for req, row in zip(plan.requests, plan.rows)
+        if req.decoding == "self_spec" and req.response)
+    try:
+        spec = random_gen.wait([random_gen.submit(PROMPTS[0], decoding="self_spec", enable_thinking=False,
+                                                  **params)])
+    finally:
+        random_gen.loop.on_step = None
+    assert token_ids(spec) == random_ar(**params)[:1]
+    assert spec[0].tokens_per_forward < 1.5  # the premise: these drafts add (almost) nothing
+    # DRAFT_MISSES block steps, then a rest of 2, DRAFT_MISSES, a rest of 4, ... (a hit restarts the count)
+    rests = [min(DRAFT_BACKOFF[0] * 2**i, DRAFT_BACKOFF[1]) for i in range(8)]
+    assert sum(steps) <= DRAFT_MISSES * (next(i for i in range(8) if sum(rests[:i]) >= 39) + 1) + 2, steps
+    assert steps.count(False) >= len(steps) // 2, steps
 
 
 def common_length(a: list[int], b: list[int]) -> int:
