@@ -1,6 +1,7 @@
 """Load on `clover-export serve`: N concurrent streaming clients vs the Generator called directly (SERVING.md).
 
     python bench/serve_load.py [MODEL] [--requests 24] [--concurrency 1,8,32] [--max-tokens 64] [--rounds 2]
+        [--warmup 2]
 
 For each concurrency c, the same fixed list of greedy requests runs both
 ways, alternating A B B A (--rounds) so that load drift cancels: (1) over HTTP against a `clover-export serve`
@@ -11,6 +12,14 @@ tokens/s, mean latency of both, and the server overhead per request
 (mean latency difference, and its share of the latency). Every streamed
 answer is checked against the direct one: 0 lost or duplicated tokens
 means equal text and equal completion_tokens for every request.
+
+The direct side runs twice, and the overhead is printed against both:
+- `direct`: a client's next request enters the very next step after its previous one finished (the
+  Python API's best case: it submits between steps);
+- `direct+1`: it enters one step later, unless the batch is empty, which is when a request sent over any
+  network reaches a continuous-batching engine: it arrives while the next step runs and joins the one after
+  (what every served request pays, whatever the server; bench/README.md, serve_load.py). The overhead
+  against `direct+1` is the server's own cost: HTTP, checks, tokenizing, streaming, its threads.
 """
 
 from __future__ import annotations
@@ -83,16 +92,29 @@ async def run_http(url: str, jobs: list[str], concurrency: int, max_tokens: int)
 
 
 # --- the Python API directly ----------------------------------------------------------------------
-def run_direct(gen, jobs: list[str], concurrency: int, max_tokens: int):
+def run_direct(gen, jobs: list[str], concurrency: int, max_tokens: int, lag: bool = False, clock=time.perf_counter):
+    """c closed-loop clients on the Python API. lag: a client's next request (its clock started when the
+    previous one finished) enters after one more step, as a request arriving during that step would,
+    unless nothing else is running (an idle engine takes an arrival at once)."""
     pending = list(enumerate(jobs))
-    live, out = {}, {}
-    t0 = time.perf_counter()
-    while pending or live:
-        while pending and len(live) < concurrency:
-            i, prompt = pending.pop(0)
-            live[i] = (gen.submit(prompt, raw=True, max_new_tokens=max_tokens), time.perf_counter(), [None])
+    live, out, held = {}, {}, []
+
+    def submit(i, prompt, start):
+        live[i] = (gen.submit(prompt, raw=True, max_new_tokens=max_tokens), start, [None])
+
+    t0 = clock()
+    while pending and len(live) < concurrency:
+        submit(*pending.pop(0), t0)
+    while live or held:
+        if not live:  # an idle engine admits the arrivals at once
+            for args in held:
+                submit(*args)
+            held = []
         gen.step()
-        now = time.perf_counter()
+        now = clock()
+        for args in held:  # arrived while that step ran: in for the next one
+            submit(*args)
+        held = []
         for i, (h, start, first) in list(live.items()):
             if h.chunks and first[0] is None:
                 first[0] = now
@@ -101,7 +123,13 @@ def run_direct(gen, jobs: list[str], concurrency: int, max_tokens: int):
                 res = h.result
                 out[i] = Outcome(res.text, res.response_tokens, (first[0] or now) - start, now - start)
                 del live[i]
-    return [out[i] for i in range(len(jobs))], time.perf_counter() - t0
+                if pending:
+                    args = (*pending.pop(0), now)
+                    if lag:
+                        held.append(args)
+                    else:
+                        submit(*args)
+    return [out[i] for i in range(len(jobs))], clock() - t0
 
 
 def start_server(model, backend, max_batch, max_queue):
@@ -134,6 +162,7 @@ def main():
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="direct/server alternations (A B B A ...) per level")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds of both sides first, per level")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     max_batch = max(levels)
@@ -153,19 +182,27 @@ def main():
     try:
         for c in levels:
             jobs = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-            direct, served, d_wall, s_wall = [], [], 0.0, 0.0
-            for r in range(args.rounds):  # A B B A ...: a load drift on the shared machine cancels out
-                for side in ("direct", "served") if r % 2 == 0 else ("served", "direct"):
-                    if side == "direct":
+            direct, lagged, served, d_wall, s_wall = [], [], [], 0.0, 0.0
+            sides = ("direct", "direct+1", "served")
+            for _ in range(args.warmup):  # untimed: both processes' first passes (allocations, caches) run slow
+                run_direct(gen, jobs, c, args.max_tokens)
+                asyncio.run(run_http(url, jobs, c, args.max_tokens))
+            for r in range(args.rounds):  # A B C C B A ...: a load drift on the shared machine cancels out
+                for side in sides if r % 2 == 0 else sides[::-1]:
+                    if side == "served":
+                        outs, wall = asyncio.run(run_http(url, jobs, c, args.max_tokens))
+                        served, s_wall = served + outs, s_wall + wall
+                    elif side == "direct":
                         outs, wall = run_direct(gen, jobs, c, args.max_tokens)
                         direct, d_wall = direct + outs, d_wall + wall
                     else:
-                        outs, wall = asyncio.run(run_http(url, jobs, c, args.max_tokens))
-                        served, s_wall = served + outs, s_wall + wall
+                        lagged += run_direct(gen, jobs, c, args.max_tokens, lag=True)[0]
             n = len(jobs) * args.rounds
             bad = sum(a.text != b.text or a.tokens != b.tokens for a, b in zip(direct, served))
+            bad += sum(a.text != b.text or a.tokens != b.tokens for a, b in zip(direct, lagged))
             lat_s = statistics.mean(o.latency for o in served)
             lat_d = statistics.mean(o.latency for o in direct)
+            lat_l = statistics.mean(o.latency for o in lagged)
             tokens = sum(o.tokens for o in served)
             rows.append(
                 dict(
@@ -181,6 +218,9 @@ def main():
                     direct_latency_ms=1e3 * lat_d,
                     overhead_ms=1e3 * (lat_s - lat_d),
                     overhead_pct=100 * (lat_s - lat_d) / lat_s,
+                    lagged_latency_ms=1e3 * lat_l,
+                    server_cost_ms=1e3 * (lat_s - lat_l),
+                    server_cost_pct=100 * (lat_s - lat_l) / lat_s,
                     mismatched=bad,
                 )
             )
@@ -188,16 +228,17 @@ def main():
     finally:
         proc.terminate()
         proc.wait(60)
-    print("\n| concurrency | req/s (direct) | TTFB p50 / p99 ms | tokens/s (direct) | latency ms (direct) "
-          "| overhead ms (%) | lost/dup |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| concurrency | req/s (direct) | TTFB p50 / p99 ms | tokens/s (direct) | latency ms (direct; direct+1) "
+          "| overhead ms (%) | server's own cost: vs direct+1, ms (%) | lost/dup |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['concurrency']} | {r['req_per_s']:.2f} ({r['direct_req_per_s']:.2f}) | "
             f"{r['ttfb_p50_ms']:.0f} / {r['ttfb_p99_ms']:.0f} | "
             f"{r['tokens_per_s']:.1f} ({r['direct_tokens_per_s']:.1f}) "
-            f"| {r['latency_ms']:.0f} ({r['direct_latency_ms']:.0f}) | "
+            f"| {r['latency_ms']:.0f} ({r['direct_latency_ms']:.0f}; {r['lagged_latency_ms']:.0f}) | "
             f"{r['overhead_ms']:+.0f} ({r['overhead_pct']:+.1f} %) "
+            f"| {r['server_cost_ms']:+.0f} ({r['server_cost_pct']:+.1f} %) "
             f"| {r['mismatched']} |"
         )
     if any(r["mismatched"] for r in rows):
