@@ -4,22 +4,14 @@ when nothing else runs. The clock counts steps, so every latency is known by han
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
+from clover_export.testing.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = {"a": 2, "b": 4}  # steps each prompt takes
-
-
-def load_serve_load():
-    spec = importlib.util.spec_from_file_location("bench_serve_load", ROOT / "bench" / "serve_load.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 class FakeGen:
@@ -45,7 +37,8 @@ class FakeGen:
 
 def latencies(lag: bool, jobs, concurrency: int) -> list[float]:
     gen = FakeGen()
-    outs, _ = load_serve_load().run_direct(gen, jobs, concurrency, 8, lag=lag, clock=lambda: gen.now)
+    serve_load = load_script(ROOT / "bench" / "serve_load.py")
+    outs, _ = serve_load.run_direct(gen, jobs, concurrency, 8, lag=lag, clock=lambda: gen.now)
     return [o.latency for o in outs]
 
 

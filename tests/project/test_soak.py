@@ -5,27 +5,19 @@ stops, prefix-cache snapshots within the budget, no error but the deliberate one
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+from clover_export.testing.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_soak():
-    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "bench" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_a_minute_of_mixed_traffic_passes_the_soak_criteria(tmp_path):
-    soak = load_soak()
+    soak = load_script(ROOT / "bench" / "soak.py")
     minutes = float(os.environ.get("CLOVER_SOAK_TEST_MINUTES", "1"))
     rep = soak.run(soak.Options(minutes=minutes, sample_s=3, clients=3, max_tokens=32, warmup_frac=0.15, grace_s=30,
                                 out=str(tmp_path / "soak"), plot=False))

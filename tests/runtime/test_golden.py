@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from click.testing import CliRunner
 
 from clover_export.cli import main
 from clover_export.runtime.golden import read_golden, write_golden
+from clover_export.testing.scripts import load_script
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,10 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("make_golden", ROOT / "tools" / "make_golden.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "tools" / "make_golden.py")
 
 
 @pytest.fixture(scope="module")
