@@ -27,7 +27,8 @@ snapshot and parked bytes and its budget, the requests answered by status; from 
 latency p50/p99 of the generation requests that ended since the last sample, and the errors.
 
 Pass criteria (exit status 1 when one fails), windows scaled to the run (W = a sixth of it, 10 minutes
-of 60; warm-up = `--warmup-frac` of it):
+of 60, but at least MIN_WINDOW_S where the run after its warm-up has room for two: a p99 needs a few hundred
+requests to stand for the tail rather than for the two slowest requests; warm-up = `--warmup-frac` of it):
 - RSS: the mean of the last W's samples within 5 % of the mean of the first W after the warm-up;
 - slots in use and waiting requests back to 0 once the traffic stops;
 - prefix-cache snapshot bytes within the budget at every sample;
@@ -392,8 +393,12 @@ def drained(proc, url: str, traffic: Traffic, t0: float, timeout: float = 60) ->
         time.sleep(0.5)
 
 
+MIN_WINDOW_S = 20.0  # a test-sized run's windows: 10 s of 3 clients held ~150 requests, its p99 the 2nd slowest
+
+
 def judge(rep: Report, traffic: Traffic, o: Options, duration: float) -> dict:
-    window, warm = duration / 6, duration * o.warmup_frac
+    warm = duration * o.warmup_frac
+    window = max(duration / 6, min(MIN_WINDOW_S, (duration - warm) / 2))
     after = [s for s in rep.samples if s.t > warm]
     first = [s for s in after if s.t <= warm + window] or after[:1]
     last = [s for s in after if s.t > duration - window] or after[-1:]
