@@ -175,11 +175,11 @@ VARIANTS = {
 }
 FP8_VARIANTS = {"product": PRODUCT, "product_w8a8": dict(PRODUCT, a8=True),
                 # the down projection's earlier tile (BLOCK_N2 64) on the FP8 experts, weight-only and w8a8
-                "product_down_n64": dict(PRODUCT, moe_tiles={"BLOCK_N2": 64}),
-                "product_w8a8_down_n64": dict(PRODUCT, a8=True, moe_tiles={"BLOCK_N2": 64})}
+                "product_down_n64": VARIANTS["product_down_n64"],
+                "product_w8a8_down_n64": dict(VARIANTS["product_down_n64"], a8=True)}
 DRY_VARIANTS = ("baseline", "product", "product_w8a8")  # the interpreter is slow: the dry run plays the ends (CI)
 VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise", "b8_commit_denoise_fp8")
-DRY_VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise_fp8")  # the interpreter is slow: every variant, once
+DRY_VARIANT_SCENARIOS = ("b1_denoise", "b8_commit_denoise_fp8")  # the interpreter is slow: DRY_VARIANTS of each
 
 
 def product_flags() -> dict:
