@@ -24,25 +24,22 @@ THINK_END = "</think>"
 VOCAB_SIZE = 512
 MODEL_MAX_LENGTH = 2048
 
-# Qwen3-style ChatML with Qwen3.6's tool section: `tools` listed in a system turn before the messages (the first
+# Qwen3-style ChatML with Qwen3.6's tool format: `tools` listed in a system turn before the messages (the first
 # system message's text after them), an assistant's `tool_calls` written as `<tool_call>` / `<function=NAME>` /
 # `<parameter=KEY>` XML after its content, `tool` messages as `<tool_response>` blocks of one user turn.
+# The tool list is short, one `NAME(KEY, ...)` line a tool between `<tools>` tags, where Qwen3.6 writes each
+# tool's JSON and ~700 tokens of instructions: in this 512-token vocabulary that preamble would be ~850 tokens,
+# more than everything else the demo model is trained on together (docs/serving.md, Tool calls).
 # Without tools and tool messages it renders plain ChatML. Only `{%- -%}` tags and expressions, so the output
 # is the same with or without trim_blocks/lstrip_blocks (Hugging Face enables both).
 CHAT_TEMPLATE = r"""{%- if tools -%}
-{{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}
+{{- '<|im_start|>system\n<tools>' -}}
 {%- for tool in tools -%}
-{{- '\n' + (tool | tojson) -}}
+{%- set fn = tool['function'] if tool['function'] is defined else tool -%}
+{%- set params = (fn['parameters'] or {})['properties'] -%}
+{{- '\n' + fn['name'] + '(' + ((params if params is mapping else {}) | list | join(', ')) + ')' -}}
 {%- endfor -%}
-{{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n'
-    + '<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n'
-    + '<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n'
-    + '</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the '
-    + 'specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> '
-    + 'XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function '
-    + 'call in natural language BEFORE the function call, but NOT after\n- If there is no function call '
-    + 'available, answer the question like normal with your current knowledge and do not tell the user about '
-    + 'function calls\n</IMPORTANT>' -}}
+{{- '\n</tools>' -}}
 {%- if messages[0]['role'] == 'system' and messages[0]['content'] | trim -%}
 {{- '\n\n' + messages[0]['content'] | trim -}}
 {%- endif -%}

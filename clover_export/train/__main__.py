@@ -78,6 +78,8 @@ class _Command(OneLineErrors, click.Command):
               help="Start from this trained model folder's weights (same architecture) instead of a random init.")
 @click.option("--min-items", default=TrainSettings.min_items, show_default=True,
               help="Shortest list the training stream draws (3: the stream of the embedded default's first stages).")
+@click.option("--tool-batch-size", default=TrainSettings.tool_batch_size, show_default=True,
+              help="Tool-task turns a step, in a batch of their own (0: no tool task; see train/tasks.py).")
 @click.option("--seed", default=TrainSettings.seed, show_default=True, help="Seeds init, data and masks.")
 @click.option("--threads", default=1, show_default=True, help="torch CPU threads (results depend on it).")
 @click.option("--eval-every", default=TrainSettings.eval_every, show_default=True,
@@ -86,8 +88,8 @@ class _Command(OneLineErrors, click.Command):
 @click.option(
     "--force", is_flag=True, help="Replace OUT when it holds an earlier training output (never any other folder)."
 )
-def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, min_items, seed, threads, eval_every,
-         eval_count, force):
+def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, min_items, tool_batch_size, seed, threads,
+         eval_every, eval_count, force):
     """Train a tiny Clover for block diffusion and next-token decoding on the synthetic tasks, CPU only.
 
     The objective and data are described in clover_export/train/trainer.py;
@@ -98,7 +100,7 @@ def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, min_items
     from clover_export.tiny import tokenizer_assets as tok
     from clover_export.train import tasks
     from clover_export.train.data import ChatCodec
-    from clover_export.train.evaluate import load_for_eval, score, score_ar
+    from clover_export.train.evaluate import load_for_eval, score, score_ar, score_tools
 
     sources = [init_from] if init_from is not None else []
     out_dir = claim_dir(out_dir, "train", command="train", force=force,  # before training, not after
@@ -106,7 +108,7 @@ def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, min_items
     torch.set_num_threads(threads)
     settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed,
                              eval_every=eval_every, eval_count=eval_count, ar_weight=ar_weight,
-                             min_items=min_items)
+                             min_items=min_items, tool_batch_size=tool_batch_size)
     cfg_dict = trained_config_dict()
     with tempfile.TemporaryDirectory() as tmp:
         tok.build_tokenizer_files(Path(tmp))
@@ -140,6 +142,13 @@ def main(out_dir, steps, batch_size, lr, warmup, ar_weight, init_from, min_items
         ar[f"thinking={thinking}"] = {"accuracy": sc.accuracy, "accuracy_by_items": by_items(sc.accuracy_by_items)}
         click.echo(f"held-out ({len(heldout)}), thinking={thinking}, next-token greedy: acc={sc.accuracy:.1f}%")
     facts["heldout_ar"] = ar
+    tools = {}
+    for thinking in (False, True):
+        sc = score_tools(saved, codec, heldout, threshold=0.95, enable_thinking=thinking)
+        tools[f"thinking={thinking}"] = {"call_accuracy": sc.call_accuracy, "answer_accuracy": sc.answer_accuracy,
+                                         "accuracy": sc.accuracy, "tokens_per_forward": round(sc.tokens_per_forward, 3)}
+        click.echo(f"held-out ({len(heldout)}), thinking={thinking}, threshold 0.95: {sc.line()}")
+    facts["heldout_tools_at_0.95"] = tools
     atomic_write(out_dir / "training.json", (json.dumps(facts, indent=2) + "\n").encode())
 
 

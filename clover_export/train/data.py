@@ -12,6 +12,11 @@ t + 1, with the loss on the rows that predict the response and its end token.
 Its block rows are all mask tokens and the step has no block (`has_block` 0),
 so it is a separate forward from the example's masked block, whose clean
 positions would otherwise show the causal rows their answers.
+
+A response longer than one block (a tool call) is trained one block at a
+time, as the decoding loop meets it: block j of the response (blocks start
+where the prompt ends, MODEL.md 5.1 `prompt_end`) is the step's block, and the
+prompt plus the response's first j blocks are its causal rows (`block_at`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 from tokenizers import Tokenizer
 
 from clover_export.tiny import tokenizer_assets as tok_assets
-from clover_export.train.tasks import Example
+from clover_export.train.tasks import Example, ToolCase, tool_call_text
 
 THINK_CLOSE = "\n</think>\n\n"  # what a thinking-mode response starts with when it has no reasoning
 
@@ -46,6 +51,25 @@ class ChatCodec:
                                     add_generation_prompt=True, enable_thinking=enable_thinking)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def render_ids(self, messages: list[dict], enable_thinking: bool, tools: list[dict] | None = None) -> list[int]:
+        """A conversation with the generation prompt, as the server renders it (arguments as objects)."""
+        text = self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
+                                    enable_thinking=enable_thinking)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def tool_turns(self, case: ToolCase, enable_thinking: bool) -> list[tuple[list[int], str]]:
+        """The tool task's two turns, (prompt ids, the assistant text it should produce) each: the call, then
+        after the tool's result (the example's answer) in a `tool` message, that result."""
+        ex, tools = case.example, case.tool_specs()
+        user = {"role": "user", "content": ex.prompt}
+        call = case.call()
+        sent = {**call, "function": {**call["function"], "arguments": case.arguments}}
+        after = [user, {"role": "assistant", "content": "", "tool_calls": [sent]},
+                 {"role": "tool", "content": ex.answer}]
+        return [(self.render_ids([user], enable_thinking, tools), tool_call_text(sent["function"]["name"],
+                                                                                 case.arguments)),
+                (self.render_ids(after, enable_thinking, tools), ex.answer)]
+
     def response_ids(self, answer: str, enable_thinking: bool) -> list[int]:
         """The assistant tokens the model should produce, without the end token."""
         text = (THINK_CLOSE if enable_thinking else "") + answer
@@ -58,8 +82,23 @@ class ChatCodec:
             raise ValueError(f"response of {len(ids)} tokens does not fit one block of {block_size}")
         return ids + [self.eot] * (block_size - len(ids))
 
+    def block_at(self, prompt: list[int], answer: str, enable_thinking: bool, block_size: int,
+                 j: int) -> tuple[list[int], list[int]]:
+        """(causal ids, block target) of the response's block j: the prompt and the response's first j blocks,
+        then block j's tokens, `<|im_end|>` after the response's last, `<|endoftext|>` to the block's end."""
+        ids = self.response_ids(answer, enable_thinking) + [self.im_end]
+        if not 0 <= j < blocks_of(len(ids), block_size):
+            raise ValueError(f"response of {len(ids)} tokens has no block {j} of {block_size}")
+        target = ids[j * block_size:(j + 1) * block_size]
+        return prompt + ids[:j * block_size], target + [self.eot] * (block_size - len(target))
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def blocks_of(tokens: int, block_size: int) -> int:
+    """Blocks a response of `tokens` tokens (its end token included) spans."""
+    return -(-tokens // block_size)
 
 
 @dataclass

@@ -15,6 +15,12 @@ forward) and appends the argmax of the last causal row's logits, the mask
 token excluded, until an end token or max_new_tokens. It applies no
 generation control (DECODING.md 3): the trained model's generation config
 has them neutral, and nothing here reads it.
+
+`score_tools` scores the tool task (tasks.py) with the same loop, both turns:
+the call must parse, by the server's own `qwen3_coder` parser, into exactly
+one call of the task's tool with the prompt's list as its arguments and no
+other content; the answer after the tool's result must equal that result. The
+second turn's prompt holds the expected call, as a client sends the call back.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from clover_export.core.generation import GenerationSettings
 from clover_export.model.model import CloverModel
 from clover_export.train.data import ChatCodec
-from clover_export.train.tasks import Example, is_correct
+from clover_export.train.tasks import Example, ToolCase, is_correct, tool_case
 
 # greedy LowConfidence with the generation controls off (DECODING.md 3: repetition 1, other strengths 0)
 NO_CONTROLS = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
@@ -189,6 +195,61 @@ def score(model: CloverModel, codec: ChatCodec, examples: list[Example], thresho
         experts_per_block=sum(d.coreset_sum for d in decoded) / steps,
         results=results,
     )
+
+
+TOOL_MAX_NEW_TOKENS = 128  # the longest call (8 digits, thinking mode) is 102 tokens with its end token
+
+
+@dataclass
+class ToolScore:
+    call_accuracy: float  # percent of first turns that are the expected call, and only it
+    answer_accuracy: float  # percent of second turns that answer the tool's result
+    tokens_per_forward: float  # over both turns
+    results: list[tuple[ToolCase, str, str, bool, bool]]  # case, call text, answer text, call ok, answer ok
+
+    @property
+    def accuracy(self) -> float:
+        """Percent of cases with both turns right."""
+        return 100.0 * sum(r[3] and r[4] for r in self.results) / len(self.results)
+
+    def line(self) -> str:
+        return (f"tools: call={self.call_accuracy:.1f}% answer={self.answer_accuracy:.1f}% "
+                f"both={self.accuracy:.1f}% tpf={self.tokens_per_forward:.2f}")
+
+
+def call_is_correct(case: ToolCase, text: str) -> bool:
+    """`text` (an assistant turn, thinking included) is one call of the case's tool with its arguments, alone."""
+    import json
+
+    from clover_export.serve.tool_calls import XmlToolCalls
+
+    if "</think>" in text:
+        text = text.split("</think>", 1)[1]
+    content, calls = XmlToolCalls.parse(text, case.tool_specs())
+    want = case.call()["function"]
+    return (not content.strip() and len(calls) == 1 and calls[0].name == want["name"]
+            and json.loads(calls[0].arguments) == case.arguments)
+
+
+def score_tools(model: CloverModel, codec: ChatCodec, examples: list[Example], threshold: float = 0.95,
+                enable_thinking: bool = False, batch_size: int = 64) -> ToolScore:
+    """Both turns of the tool task for each example, decoded greedily by the runtime loop."""
+    end_ids = [codec.im_end, codec.eot]
+    results, tokens, steps = [], 0, 0
+    for s in range(0, len(examples), batch_size):
+        cases = [tool_case(ex) for ex in examples[s:s + batch_size]]
+        turns = [codec.tool_turns(c, enable_thinking) for c in cases]
+        texts = []
+        for t in range(2):
+            decoded = generate(model, [tt[t][0] for tt in turns], threshold, end_ids, TOOL_MAX_NEW_TOKENS)
+            tokens += sum(len(d.token_ids) for d in decoded)
+            steps += sum(d.steps for d in decoded)
+            texts.append([codec.tokenizer.decode([i for i in d.token_ids if i not in end_ids]) for d in decoded])
+        for case, call, answer in zip(cases, *texts):
+            results.append((case, call, answer, call_is_correct(case, call), is_correct(case.example, answer)))
+    n = len(results)
+    return ToolScore(100.0 * sum(r[3] for r in results) / n, 100.0 * sum(r[4] for r in results) / n,
+                     tokens / steps, results)
 
 
 def load_for_eval(model_dir: str | Path, top_p: float | None = None, dtype=torch.float32) -> CloverModel:

@@ -19,10 +19,19 @@ A held-out prompt is never trained on, so evaluating on every short prompt
 would leave none to train; the shares keep both sides for every length.
 `heldout_examples` lists the set length by length in turn (1, 2, ..., 8, 1, ...),
 so any prefix covers every length while it lasts.
+
+The tool task is the same prompts with tools offered (TOOLS: `sort_digits`
+and `reverse_digits`, one string parameter `digits`): the task's own tool,
+alone or beside the other in either order. The answer is two turns: a call of
+the task's tool with the prompt's list, in Qwen3.6's XML (`tool_call_text`),
+then, after the `tool` message holding the tool's result, that result.
+`tool_case` draws the offer for an example from the example's prompt alone,
+so the held-out tool cases are fixed as well.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -94,6 +103,51 @@ def training_stream(seed: int, exclude: set[str], min_items: int = MIN_ITEMS):
         ex = sample_example(rng, min_items)
         if ex.prompt not in exclude:
             yield ex
+
+
+TOOL_NAMES = {"sort": "sort_digits", "reverse": "reverse_digits"}
+TOOL_PARAMETER = "digits"
+
+
+def tool_spec(task: str) -> dict:
+    """The OpenAI tool object of a task's tool."""
+    verb = {"sort": "Sort digits in ascending order", "reverse": "Reverse the order of digits"}[task]
+    return {"type": "function", "function": {
+        "name": TOOL_NAMES[task], "description": verb + ", given as one string of digits separated by spaces.",
+        "parameters": {"type": "object", "properties": {TOOL_PARAMETER: {"type": "string"}},
+                       "required": [TOOL_PARAMETER]}}}
+
+
+@dataclass(frozen=True)
+class ToolCase:
+    example: Example
+    tools: tuple[str, ...]  # the tasks whose tools are offered, in order; the example's own among them
+
+    @property
+    def arguments(self) -> dict[str, str]:
+        """The call's arguments: the prompt's list as written."""
+        return {TOOL_PARAMETER: self.example.prompt.split(": ", 1)[1]}
+
+    def tool_specs(self) -> list[dict]:
+        return [tool_spec(t) for t in self.tools]
+
+    def call(self) -> dict:
+        """The assistant's call, as an OpenAI client sends it back (arguments as JSON text)."""
+        return {"id": "call_0", "type": "function",
+                "function": {"name": TOOL_NAMES[self.example.task], "arguments": json.dumps(self.arguments)}}
+
+
+def tool_case(example: Example) -> ToolCase:
+    """The tools offered with `example`: its own alone, or both in either order (a draw seeded by the prompt)."""
+    rng = random.Random(example.prompt)
+    other = next(t for t in TASKS if t != example.task)
+    return ToolCase(example, rng.choice([(example.task,), (example.task, other), (other, example.task)]))
+
+
+def tool_call_text(name: str, arguments: dict[str, str]) -> str:
+    """A call as Qwen3.6's template writes it in an assistant turn (and the model should write it)."""
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
 def is_correct(example: Example, text: str) -> bool:

@@ -17,6 +17,12 @@ teaches the causal rows' logits (the step's `causal_logits`) to continue the
 response, which the autoregressive and self-speculative decoding modes read.
 `ar_weight` 0 skips that forward: the block-diffusion objective alone, as
 the embedded default's first stage was trained.
+Tool task (`tool_batch_size` > 0): a second batch a step, of tool-task turns
+(tasks.py; two calls to one answer after the tool's result: a call is 2-3
+blocks of exact copying, the answer is the model's own task again), with
+the same two losses in forwards of its own, so that its longer prompts do not
+pad the task batch; for a call, one of its blocks drawn uniformly (data.py
+`block_at`). The step's loss adds the two batches' objectives.
 Deterministic for a seed and thread count.
 """
 
@@ -36,7 +42,15 @@ from clover_export.core.config import config_from_dict
 from clover_export.model.loading import build_model
 from clover_export.model.model import CloverModel, allocate_pools, init_random_
 from clover_export.train import tasks
-from clover_export.train.data import Batch, CausalBatch, ChatCodec, encode, make_batch, make_causal_batch
+from clover_export.train.data import (
+    Batch,
+    CausalBatch,
+    ChatCodec,
+    blocks_of,
+    encode,
+    make_batch,
+    make_causal_batch,
+)
 
 
 @dataclass
@@ -54,6 +68,7 @@ class TrainSettings:
     eval_count: int = 48  # held-out prompts scored at each eval (threshold 0.95, and next-token greedy)
     ar_weight: float = 1.0  # weight of the next-token loss (0: block diffusion alone, no causal forward)
     min_items: int = tasks.MIN_ITEMS  # shortest training list (3: the stream of the default's first two stages)
+    tool_batch_size: int = 0  # tool-task turns a step, in a batch of their own (0: none)
 
 
 def lr_at(s: TrainSettings, step: int) -> float:
@@ -90,6 +105,28 @@ class Batches:
         self.examples = tasks.training_stream(settings.seed, exclude, settings.min_items)
         self.rng = random.Random(settings.seed + 1)
         self.gen = torch.Generator().manual_seed(settings.seed + 2)
+        self.tool_examples = tasks.training_stream(settings.seed + 3, exclude, settings.min_items)
+        self.tool_rng = random.Random(settings.seed + 4)
+
+    def next_tools(self) -> Batch:
+        """A batch of tool-task turns: two calls (one block of each, drawn uniformly) to one answer."""
+        causal, targets, prompts, responses = [], [], [], []
+        for i in range(self.s.tool_batch_size):
+            case = tasks.tool_case(next(self.tool_examples))
+            thinking = self.tool_rng.random() < self.s.thinking_fraction
+            prompt, answer = self.codec.tool_turns(case, thinking)[int(i % 3 == 2)]  # two calls, then an answer
+            ids = self.codec.response_ids(answer, thinking)
+            j = self.tool_rng.randrange(blocks_of(len(ids) + 1, self.N))
+            rows, target = self.codec.block_at(prompt, answer, thinking, self.N, j)
+            causal.append(rows)
+            targets.append(target)
+            prompts.append(prompt)
+            responses.append(ids)
+        batch = make_batch(causal, torch.tensor(targets), self.codec.mask, self.codec.eot, self.gen)
+        if self.s.ar_weight:
+            batch.causal = make_causal_batch(prompts, responses, self.codec.im_end, self.codec.mask,
+                                             self.codec.eot, self.N)
+        return batch
 
     def next(self) -> Batch:
         exs = [next(self.examples) for _ in range(self.s.batch_size)]
@@ -125,7 +162,9 @@ def train(model: CloverModel, codec: ChatCodec, settings: TrainSettings, log=pri
                              {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.98))
     history, evals = [], []
     start = time.time()
-    running = {"block": None, "ar": None}  # exponential moving averages (0.95) of the two losses
+    running = {"block": None, "ar": None}  # exponential moving averages (0.95) of the losses
+    if settings.tool_batch_size:
+        running.update({"tool_block": None, "tool_ar": None})
     model.train()
     for step in range(settings.steps):
         for group in opt.param_groups:
@@ -134,7 +173,12 @@ def train(model: CloverModel, codec: ChatCodec, settings: TrainSettings, log=pri
         parts = {"block": block_loss(model, batch)}
         if batch.causal is not None:
             parts["ar"] = ar_loss(model, batch.causal)
-        loss = parts["block"] + settings.ar_weight * parts["ar"] if "ar" in parts else parts["block"]
+        if settings.tool_batch_size:
+            tools_batch = batches.next_tools()
+            parts["tool_block"] = block_loss(model, tools_batch)
+            if tools_batch.causal is not None:
+                parts["tool_ar"] = ar_loss(model, tools_batch.causal)
+        loss = sum(settings.ar_weight * v if k.endswith("ar") else v for k, v in parts.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
@@ -148,22 +192,28 @@ def train(model: CloverModel, codec: ChatCodec, settings: TrainSettings, log=pri
             log(f"step {done}/{settings.steps} loss {loss.item():.4f} avg {shown} "
                 f"lr {lr_at(settings, step):.2e} {time.time() - start:.0f}s")
         if settings.eval_every and (done % settings.eval_every == 0 or done == settings.steps):
-            from clover_export.train.evaluate import score, score_ar
+            from clover_export.train.evaluate import score, score_ar, score_tools
 
             model.eval()
             sc = score(model, codec, heldout[: settings.eval_count], threshold=0.95)
             ar = score_ar(model, codec, heldout[: settings.eval_count])
+            tools = score_tools(model, codec, heldout[: settings.eval_count]) if settings.tool_batch_size else None
             model.train()
             evals.append({"step": done, "accuracy": sc.accuracy, "tokens_per_forward": sc.tokens_per_forward,
                           "ar_accuracy": ar.accuracy, "accuracy_by_items": by_items(sc.accuracy_by_items),
                           "ar_accuracy_by_items": by_items(ar.accuracy_by_items)})
+            if tools is not None:
+                evals[-1].update(tool_call_accuracy=tools.call_accuracy, tool_answer_accuracy=tools.answer_accuracy)
             log(f"eval step {done}: {sc.line()} | next-token greedy acc={ar.accuracy:.1f}% | by items "
-                f"{evals[-1]['accuracy_by_items']} | next-token {evals[-1]['ar_accuracy_by_items']}")
+                f"{evals[-1]['accuracy_by_items']} | next-token {evals[-1]['ar_accuracy_by_items']}"
+                + (f" | {tools.line()}" if tools is not None else ""))
     model.eval()
     return {"settings": asdict(settings), "wall_seconds": round(time.time() - start, 1),
             "final_block_loss_avg": round(running["block"], 5),
             "final_ar_loss_avg": None if running["ar"] is None else round(running["ar"], 5),
-            "loss_avg_every_25_steps": {"columns": ["step", "block", "ar"], "rows": history}, "evals": evals}
+            **({"final_tool_losses_avg": {k: round(running[k], 5) for k in ("tool_block", "tool_ar")
+                                          if running[k] is not None}} if settings.tool_batch_size else {}),
+            "loss_avg_every_25_steps": {"columns": ["step", *running], "rows": history}, "evals": evals}
 
 
 def save_trained(model: CloverModel, cfg_dict: dict, out_dir: Path, facts: dict,

@@ -49,7 +49,8 @@ def tokens_case():
         gen = Generator.load(None, backend=be, device="cpu", dtype="fp32", max_slots=2, prefill_chunk=64)
         if be == "triton":
             gen.runner.observer = lambda plan, _: phases.append((list(plan.n_causal), list(plan.has_block)))
-        first = gen.submit(prompts[0][0], max_new_tokens=prompts[0][1], enable_thinking=False)
+        first = gen.submit(prompts[0][0], max_new_tokens=prompts[0][1], enable_thinking=False,
+                           ignore_eos=True)  # past its short answer: two blocks, still decoding as the second joins
         gen.step()  # the second request joins while the first one decodes
         second = gen.submit(prompts[1][0], max_new_tokens=prompts[1][1], enable_thinking=False)
         out[be] = [r.token_ids for r in gen.wait([first, second])]

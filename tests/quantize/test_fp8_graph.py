@@ -138,19 +138,20 @@ def test_without_the_fp8_function_onnxruntime_and_check_fail(random_fp8):
 
 # --- agreement with the fp32 graph --------------------------------------------------------
 # Thresholds on the trained embedded default, held-out prompts (384 denoise positions), set from the
-# correct graph's figures measured here (ONNX Runtime CPU; the default trained for block and next-token
-# decoding on lists of 1-8 digits): top-1 99.22%, logit error max 1.998, mean 0.059. Margins: agreement
-# 98% (7 misses; the correct graph has 3), max 2.8 (1.4x), mean 0.083 (1.4x).
-# Measured with every activation scale multiplied by f (same run):
-#   f = 0.1: 84.11%, max 17.98, mean 1.598   f = 0.3:  97.92%, max 9.01, mean 0.671
-#   f = 3:   99.22%, max 2.57,  mean 0.062   f = 10:   99.48%, max 1.66, mean 0.061
-#   f = 100: 100.0%, max 3.47,  mean 0.065   f = 1000: 97.92%, max 8.22, mean 0.151
+# correct graph's figures measured here (ONNX Runtime CPU; the default of TINY_VERSION 6, trained for block and
+# next-token decoding on lists of 1-8 digits and on the tool task): top-1 98.70%, logit error max 5.06, mean
+# 0.088. Margins: agreement 97% (11 misses; the correct graph has 5), max 7.0 (1.4x), mean 0.123 (1.4x).
+# Measured with every activation scale multiplied by f (`python bench/fp8_scale_sensitivity.py BUILD 0.1 ...`):
+#   f = 0.1: 79.17%, max 24.95, mean 2.537   f = 0.3:  91.15%, max 12.62, mean 1.156
+#   f = 3:   98.44%, max 3.21,  mean 0.120   f = 10:   98.44%, max 3.16,  mean 0.121
+#   f = 100: 99.22%, max 4.66,  mean 0.112   f = 1000: 95.05%, max 15.09, mean 0.358
+# (version 5's: 99.22%, max 2.00, mean 0.059; f = 0.3 97.92%, max 9.01, mean 0.671; f = 1000 97.92%, max 8.22.)
 # e4m3 is floating point: a scale 3x or 10x too LARGE only moves the values 1.6 or 3.3 binades down its
 # 17-binade range and costs little accuracy (no threshold on the outputs can reliably see it; the act-scale
 # test below does); a scale 3x too SMALL saturates at 448 and fails all three thresholds.
-TRAINED_MIN_AGREEMENT = 0.98
-TRAINED_MAX_LOGIT_ERROR = 2.8
-TRAINED_MEAN_LOGIT_ERROR = 0.083
+TRAINED_MIN_AGREEMENT = 0.97
+TRAINED_MAX_LOGIT_ERROR = 7.0
+TRAINED_MEAN_LOGIT_ERROR = 0.123
 
 
 def trained_thresholds_fail(a: fp8_agreement.Agreement) -> list[str]:

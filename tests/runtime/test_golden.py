@@ -59,7 +59,7 @@ def test_compare_reports_first_diverging_token(tiny_dir, tmp_path):
     from clover_export.runtime import Generator
 
     gen = Generator.load(tiny_dir, dtype="fp32", max_slots=1)
-    params = {"max_new_tokens": 20, "threshold": 0.5, "eos_token_id": [1]}  # <|endoftext|> no end: 20 tokens
+    params = {"max_new_tokens": 20, "threshold": 0.5, "ignore_eos": True}  # past the answer: 20 tokens
     res = gen.generate("What is 123 + 456?", **params)
     golden = tmp_path / "g.json"
     write_golden(golden, res.prompt_ids, params, res.token_ids, source="our own torch backend")

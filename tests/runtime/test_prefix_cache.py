@@ -175,7 +175,7 @@ def test_a_chat_resent_through_the_template_computes_its_new_tokens_and_at_most_
     gen = make(backend, prefill_chunk=256)  # the default: prompts of one chunk
     rows, N = Rows(gen), gen.block_size
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "reverse the word stone"}]
-    before = None
+    before = previous_prompt = None
     for turn in range(4):
         ids = chat(gen, messages)
         res = gen.generate(prompt_ids=ids, max_new_tokens=40)
@@ -183,9 +183,9 @@ def test_a_chat_resent_through_the_template_computes_its_new_tokens_and_at_most_
         assert rows.of(res) == len(ids) - res.cached_tokens
         if before is not None:
             common = TokenRun(ids).common_prefix(TokenRun(before))
-            assert common < len(before) - len(res.token_ids)  # it does not reach the previous prompt's end
+            assert common < len(previous_prompt)  # it does not reach the previous prompt's end
             assert rows.of(res) <= len(ids) - common + N
-        before = ids + res.token_ids
+        before, previous_prompt = ids + res.token_ids, ids
         messages += [{"role": "assistant", "content": res.content}, {"role": "user", "content": f"now {turn} + 2"}]
 
 

@@ -17,9 +17,8 @@ from clover_export.runtime.generator import Generator, context_needed
 
 LOGIT_ATOL = 1e-4
 PROMPT = "What is 123 + 456?"
-# <|endoftext|> is no end token here (only <|im_end|> and <|im_start|>): the trained tiny model's answers are
-# short, and after its <|endoftext|> it pads, so responses run over several blocks
-LONG = dict(eos_token_id=[1], threshold=0.5)
+# the trained tiny model's answers are short: past its end tokens the responses run over several blocks
+LONG = dict(ignore_eos=True, threshold=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +109,10 @@ def test_stop_string_cuts_text_and_ends_the_request(model, tiny_dir):
 def test_end_token_kept_in_ids_not_in_text(model, tiny_dir):
     gen = make(model, tiny_dir)
     probe = gen.generate(PROMPT, max_new_tokens=40, **LONG)
-    k = next(i for i in range(5, 40) if probe.token_ids[i] not in probe.token_ids[:i])
+    ends = next(i for i, t in enumerate(probe.token_ids) if t in gen.defaults.eos_token_id)  # the model's own end
+    k = next(i for i in range(5, ends) if probe.token_ids[i] not in probe.token_ids[:i])
     eos = probe.token_ids[k]
-    res = gen.generate(PROMPT, max_new_tokens=40, **dict(LONG, eos_token_id=[eos]))
+    res = gen.generate(PROMPT, max_new_tokens=40, threshold=0.5, eos_token_id=[eos])
     assert res.token_ids == probe.token_ids[:k + 1] and res.finish_reason == "stop"
     assert res.text == gen.tokenizer.decode(probe.token_ids[:k])
 

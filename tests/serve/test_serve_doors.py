@@ -22,6 +22,7 @@ from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.doors import common, messages
 from clover_export.serve.engine import Engine
 from clover_export.testing.server import start_server, stop_server
+from clover_export.train import tasks
 
 KEY = "sk-clover-doors-7c2d"
 MODEL = "clover-tiny"
@@ -211,7 +212,7 @@ def tool_uses(message):
 
 @pytest.mark.parametrize("choice", [{"type": "tool", "name": "sort_digits"}, {"type": "any"}])
 def test_a_forced_tool_answers_as_the_chat_path_streamed_or_not(server, claude, choice):
-    """tool_choice `tool` (`any`) on the embedded default (not trained to call tools) is the chat path's forced
+    """tool_choice `tool` (`any`) on the embedded default is the chat path's forced
     call (named, "required"): the same prompt, the same calls as `tool_use` blocks (`input` the arguments'
     object), the same text, the stop reason of its finish_reason (tool_calls -> tool_use, length -> max_tokens),
     no thinking (a forced call opens the turn); messages.stream accumulates the same message. Named, the
@@ -235,6 +236,26 @@ def test_a_forced_tool_answers_as_the_chat_path_streamed_or_not(server, claude, 
     with claude.messages.stream(**args) as stream:
         final = stream.get_final_message()
     assert without_ids(final) == without_ids(out)
+
+
+def test_the_default_uses_its_tool_through_the_messages_door(server, claude):
+    """The tool task the embedded default was trained on (train/tasks.py), as an Anthropic agent runs it: a
+    `tool_use` block of the prompt's tool with the prompt's list (stop_reason tool_use), then, after the
+    `tool_result`, the result as text (end_turn). The prompt is held out."""
+    ex = next(e for e in tasks.heldout_examples() if e.task == "reverse" and e.items == 6)
+    specs = [tasks.tool_spec("sort")["function"], tasks.tool_spec("reverse")["function"]]
+    tools = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"]} for f in specs]
+    ask = [{"role": "user", "content": ex.prompt}]
+    out = claude.messages.create(model=MODEL, max_tokens=160, extra_body=GREEDY, tools=tools, messages=ask,
+                                 thinking={"type": "disabled"})
+    (use,) = [b for b in out.content if b.type == "tool_use"]
+    want = ("reverse_digits", {"digits": ex.prompt.split(": ")[1]}, "tool_use")
+    assert (use.name, use.input, out.stop_reason) == want
+    turn = [*ask, {"role": "assistant", "content": out.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": ex.answer}]}]
+    again = claude.messages.create(model=MODEL, max_tokens=160, extra_body=GREEDY, tools=tools, messages=turn,
+                                   thinking={"type": "disabled"})
+    assert texts(again).strip() == ex.answer and again.stop_reason == "end_turn"
 
 
 def test_a_forced_tool_with_thinking_on_is_refused(server, claude):
@@ -573,7 +594,7 @@ def test_tokenize_with_tools_is_the_chat_paths_prompt(server):
     counted = post(server, "/tokenize", {"messages": history, "tools": tools})
     assert counted.status_code == 200 and counted.json()["count"] == use["prompt_tokens"], counted.text
     bare = post(server, "/tokenize", {"messages": history}).json()["count"]
-    assert bare < use["prompt_tokens"] - 100  # the tools' section is counted
+    assert bare < use["prompt_tokens"] - 30  # the tools' section (a line a tool) is counted
 
 
 @pytest.mark.parametrize("path,body,param", [

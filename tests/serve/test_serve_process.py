@@ -31,7 +31,7 @@ def stream_events(url, body, accepted: threading.Event, out: list):
 def test_sigterm_finishes_running_requests_cancels_past_the_grace_period_and_exits_0():
     proc, url = start_server("--drain-timeout", "8", "--log-level", "warning")
     try:
-        short = {"prompt": "What is 2 + 3?", "max_tokens": 40, "stream": True}
+        short = {"prompt": "What is 2 + 3?", "max_tokens": 40, "stream": True, "ignore_eos": True}
         endless = {"prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 1000, "stream": True, "threshold": 1.0,
                    "ignore_eos": True}
         results = {}

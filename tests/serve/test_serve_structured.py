@@ -26,7 +26,8 @@ class Sorted(pydantic.BaseModel):  # bounded: a weak model's string or list coul
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 20},
     "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    "units": {"enum": ["c", "f"]}}, "required": ["city", "days"]}
+    "units": {"enum": ["c", "f"]}}, "required": ["city", "days"],
+    "additionalProperties": False}  # every string bounded: an answer ends within max_tokens whatever the weights
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "sort_digits", "parameters": {
              "type": "object", "properties": {"digits": {"type": "string", "maxLength": 12}}, "required": ["digits"]}}}]
@@ -54,8 +55,11 @@ def test_json_object_streamed_parses(client, decoding):
                                             response_format={"type": "json_object"}, extra_body={"decoding": decoding})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert isinstance(json.loads(text), dict)
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    (finish,) = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    if finish == "length":  # json_object bounds no string: weights never trained on JSON may write one on and on
+        assert text.startswith("{") and len(text) >= 300
+    else:
+        assert finish == "stop" and isinstance(json.loads(text), dict)
 
 
 def test_cut_by_max_tokens_is_length(client):

@@ -2,8 +2,9 @@
 
 Two servers: `clover-export serve` as a process (tools and tool messages through the template, against
 transformers' rendering of the same conversation; a named tool_choice forcing the call's opening; bad
-input), and one in this process whose engine answers scripted Qwen3.6-format texts, split into blocks at
-awkward places, so the parser's answers are known: the embedded default is not trained to call tools.
+input; the embedded default calling the one tool it was trained on, and answering with its result), and one in
+this process whose engine answers scripted Qwen3.6-format texts, split into blocks at awkward places, so the
+parser's answers are known for every shape of call.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from clover_export.serve import protocol
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.engine import Engine
 from clover_export.testing.server import start_server, stop_server
+from clover_export.train import tasks
 
 TOOLS = [
     {"type": "function", "function": {
@@ -87,8 +89,43 @@ def test_tools_and_tool_messages_reach_the_template(client, reference_tokenizer)
     out = client.chat.completions.create(model="clover-tiny", messages=HISTORY, tools=TOOLS, max_tokens=4,
                                          extra_body=OFF)
     assert out.usage.prompt_tokens == len(reference_ids(reference_tokenizer, HISTORY))
-    plain = client.chat.completions.create(model="clover-tiny", messages=HISTORY[-1:], max_tokens=4, extra_body=OFF)
-    assert plain.usage.prompt_tokens < out.usage.prompt_tokens - 200  # the tools' section is in the prompt
+    plain = client.chat.completions.create(model="clover-tiny", messages=HISTORY, max_tokens=4, extra_body=OFF)
+    assert plain.usage.prompt_tokens == len(reference_ids(reference_tokenizer, HISTORY, tools=None))
+    assert plain.usage.prompt_tokens < out.usage.prompt_tokens - 20  # the tools' section is in the prompt
+
+
+def heldout(task: str, items: int):
+    """A held-out example of the default's tool task (never trained on): the first of `task` and length."""
+    return next(ex for ex in tasks.heldout_examples() if ex.task == task and ex.items == items)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("task, items", [("sort", 5), ("reverse", 7)])
+def test_the_default_calls_its_tool_then_answers_with_the_result(client, thinking, task, items):
+    """The embedded default was trained on one tool task (train/tasks.py): offered digit tools, it calls the
+    prompt's own with the prompt's list, finish_reason "tool_calls", streamed as OpenAI's deltas too; given
+    the tool's result in a `tool` message, it answers with that result. The prompt is held out."""
+    ex = heldout(task, items)
+    tools = [tasks.tool_spec("sort"), tasks.tool_spec("reverse")]
+    kw = dict(model="clover-tiny", messages=[{"role": "user", "content": ex.prompt}], tools=tools, max_tokens=160,
+              temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+    out = client.chat.completions.create(**kw)
+    choice = out.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == tasks.TOOL_NAMES[task]
+    assert json.loads(call.function.arguments) == {"digits": ex.prompt.split(": ")[1]}
+    assert choice.finish_reason == "tool_calls" and not (choice.message.content or "").strip()
+    streamed, deltas = stream_final(client, **kw)
+    (again,) = streamed.choices[0].message.tool_calls
+    assert (again.function.name, again.function.arguments) == (call.function.name, call.function.arguments)
+    assert deltas[0].function.name == call.function.name and streamed.choices[0].finish_reason == "tool_calls"
+    sent = {"role": "assistant", "content": choice.message.content,
+            "tool_calls": [{"id": call.id, "type": "function",
+                            "function": {"name": call.function.name, "arguments": call.function.arguments}}]}
+    result = {"role": "tool", "tool_call_id": call.id, "content": ex.answer}
+    follow = client.chat.completions.create(**{**kw, "messages": [*kw["messages"], sent, result]})
+    assert follow.choices[0].message.content.strip() == ex.answer and follow.choices[0].finish_reason == "stop"
+    assert not follow.choices[0].message.tool_calls
 
 
 def stream_final(client, **kw):
@@ -108,9 +145,9 @@ def stream_final(client, **kw):
 
 def test_a_named_tool_choice_opens_the_call_on_the_real_model(client, reference_tokenizer):
     """tool_choice naming a function (the model's XML format): the answer is a call of that function under a
-    grammar (the prompt: transformers' rendering, no opening written by the server), whatever the untrained
-    weights; streamed, the same call."""
-    bounded = json.loads(json.dumps(TOOLS))  # a bounded city: the untrained weights may write on and on
+    grammar (the prompt: transformers' rendering, no opening written by the server), whatever the weights
+    write (the default was never trained on `get_weather`); streamed, the same call."""
+    bounded = json.loads(json.dumps(TOOLS))  # a bounded city: weights untrained for it may write on and on
     bounded[0]["function"]["parameters"]["properties"]["city"]["maxLength"] = 20
     kw = dict(model="clover-tiny", messages=HISTORY, tools=bounded, max_tokens=300, temperature=0,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})

@@ -17,12 +17,14 @@ from clover_export.train import tasks
 from clover_export.train.data import ChatCodec, encode, make_batch, make_causal_batch
 from clover_export.train.evaluate import (
     NO_CONTROLS,
+    call_is_correct,
     generate,
     generate_ar,
     load_for_eval,
     percent_correct_by_items,
     score,
     score_ar,
+    score_tools,
 )
 from clover_export.train.trainer import Batches, TrainSettings, ar_loss, block_loss, new_model, train
 
@@ -104,6 +106,82 @@ def test_ar_weight_leaves_the_block_batches_alone(codec):
         assert a.causal is None and b.causal is not None
         for f in ("input_ids", "n_causal", "targets", "masked"):
             assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def test_tool_cases_offer_the_tasks_own_tool_fixed_by_the_prompt():
+    """Every tool case offers its task's tool (alone or beside the other, either order), the same case for the
+    same prompt, and the call's arguments are the prompt's list as written."""
+    cases = [tasks.tool_case(ex) for ex in tasks.heldout_examples()]
+    assert {c.tools for c in cases} == {("sort",), ("reverse",), ("sort", "reverse"), ("reverse", "sort")}
+    for c in cases:
+        assert c.example.task in c.tools and tasks.tool_case(c.example) == c
+        assert c.arguments == {"digits": c.example.prompt.split(": ")[1]}
+        assert [t["function"]["name"] for t in c.tool_specs()] == [tasks.TOOL_NAMES[t] for t in c.tools]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_turns_are_what_the_template_renders(codec, thinking):
+    """The tool task's prompts are transformers' rendering of the conversation (the independent reference:
+    tools, then the call sent back, then the tool's result), and the call the model learns to write is the
+    text the template writes for that call in an assistant turn."""
+    transformers = pytest.importorskip("transformers")
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.build_tokenizer_files(Path(tmp))
+        reference = transformers.AutoTokenizer.from_pretrained(tmp)
+    case = tasks.tool_case(tasks.make_example("reverse", [4, 0, 7]))
+    (first, call), (second, answer) = codec.tool_turns(case, thinking)
+    sent = {**case.call(), "function": {**case.call()["function"], "arguments": {"digits": "4 0 7"}}}
+    user = {"role": "user", "content": "Reverse: 4 0 7"}
+    turns = ([user], [user, {"role": "assistant", "content": "", "tool_calls": [sent]},
+                      {"role": "tool", "content": "7 0 4"}])
+    for ids, messages in zip((first, second), turns):
+        want = reference.apply_chat_template(messages, tools=case.tool_specs(), tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=thinking)
+        assert codec.decode(ids) == want
+    assert call == ("<tool_call>\n<function=reverse_digits>\n<parameter=digits>\n4 0 7\n</parameter>\n"
+                    "</function>\n</tool_call>")
+    assert "<|im_start|>assistant\n" + call + "<|im_end|>" in codec.decode(second) and answer == "7 0 4"
+
+
+def test_a_long_response_is_trained_block_by_block(codec):
+    """block_at: block j's causal rows are the prompt and the response's first j blocks; the blocks' targets
+    put together are the response, `<|im_end|>`, then `<|endoftext|>` to the last block's end."""
+    N = 24
+    case = tasks.tool_case(tasks.make_example("sort", [9, 1, 8, 2, 7, 3, 6, 4]))
+    prompt, call = codec.tool_turns(case, True)[0]
+    ids = codec.response_ids(call, True)
+    assert len(ids) + 1 > 3 * N  # four blocks of 24
+    joined = []
+    for j in range(4):
+        rows, target = codec.block_at(prompt, call, True, N, j)
+        assert rows == prompt + ids[:j * N] and len(target) == N
+        joined += target
+    assert joined == ids + [codec.im_end] + [codec.eot] * (4 * N - len(ids) - 1)
+    with pytest.raises(ValueError, match="no block 4"):
+        codec.block_at(prompt, call, True, N, 4)
+
+
+def test_tool_batches_hold_calls_and_answers(codec):
+    """A tool batch: two calls to an answer, every block one of its response's blocks (rows = prompt plus
+    the blocks before it), and its next-token batch the whole turns; the task batch is unchanged by it."""
+    held = {ex.prompt for ex in tasks.heldout_examples()}
+    s = TrainSettings(batch_size=4, tool_batch_size=6, seed=1)
+    with_tools, alone = Batches(codec, s, 32, held), Batches(codec, TrainSettings(batch_size=4, seed=1), 32, held)
+    a, b = with_tools.next(), alone.next()
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.masked, b.masked)
+    batch = with_tools.next_tools()
+    for i in range(6):
+        whole = batch.causal.input_ids[i, :batch.causal.n_causal[i]].tolist()  # prompt + response + <|im_end|>
+        prompt = whole[:batch.causal.scored[i].nonzero()[0].item() + 1]
+        turn = codec.tokenizer.decode(whole[len(prompt):-1]).strip()
+        if i % 3 != 2:
+            assert turn.startswith("<tool_call>\n<function=") and turn.endswith("</tool_call>"), turn
+        else:
+            assert set(turn) <= set("0123456789 ") and turn, turn
+        rows, target = batch.input_ids[i, :batch.n_causal[i]].tolist(), batch.targets[i].tolist()
+        kept = target[:target.index(codec.im_end) + 1] if codec.im_end in target else target
+        assert set(target[len(kept):]) <= {codec.eot}
+        assert (rows + kept) == whole[:len(rows) + len(kept)] and (len(rows) - len(prompt)) % 32 == 0
 
 
 def test_heldout_never_trained_on():
@@ -370,6 +448,33 @@ def test_shipped_default_answers_heldout_prompts_next_token(tiny_dir):
         assert facts["heldout_ar"][mode]["accuracy"] >= 95, mode
 
 
+def test_shipped_default_calls_its_tool_and_answers_the_result(tiny_dir):
+    """The embedded default's tool task on held-out prompts, every length, both chat modes, through the runtime
+    loop at threshold 0.95: the call (read by the server's parser) and the answer after the tool's result are
+    right, but for at most two of 16; training.json records the full held-out set's figures (>= 95 %)."""
+    model, codec = load_for_eval(tiny_dir), ChatCodec(tiny_dir)
+    exs = tasks.heldout_examples(16)  # every length, 2 each
+    for thinking in (False, True):
+        sc = score_tools(model, codec, exs, threshold=0.95, enable_thinking=thinking)
+        wrong = [(c.example.prompt, c.tools, call, answer) for c, call, answer, a, b in sc.results if not (a and b)]
+        assert len(wrong) <= 2, (thinking, wrong)  # ~95 % of the held-out set has both turns right
+    facts = json.loads((tiny_dir / "training.json").read_text())
+    assert facts["settings"]["tool_batch_size"] > 0
+    for mode in ("thinking=False", "thinking=True"):
+        tools = facts["heldout_tools_at_0.95"][mode]
+        assert tools["call_accuracy"] >= 95 and tools["answer_accuracy"] >= 95, (mode, tools)
+
+
+def test_a_call_is_judged_by_the_servers_parser():
+    """call_is_correct: the task's tool with the prompt's list, alone; a wrong name, list or extra content fails."""
+    case = tasks.tool_case(tasks.make_example("sort", [3, 1]))
+    good = tasks.tool_call_text("sort_digits", {"digits": "3 1"})
+    assert call_is_correct(case, good) and call_is_correct(case, "\n</think>\n\n" + good)
+    for bad in (good.replace("sort_digits", "reverse_digits"), good.replace("3 1", "1 3"), "ok " + good,
+                good + good, good.replace("</function>", "")[:-5]):
+        assert not call_is_correct(case, bad), bad
+
+
 SHORT_LISTS = [("sort", [2, 1]), ("sort", [5, 2]), ("reverse", [3]), ("sort", [7]), ("reverse", [4, 9]),
                ("sort", [0, 0]), ("reverse", [6, 1])]
 
@@ -457,7 +562,8 @@ def test_tiny_version_names_the_shipped_weights():
 
     weights = {3: "70de262e51eb21142e37d31eafe8eb9e5b605b4000921e780c1771f7717def0d",  # lists of 3-8 digits
                4: "a60089d31a080a05a3682e1f4f8aefd70349bb64eb06fe8d3821229d96da2676",  # 1-8 digits
-               5: "a60089d31a080a05a3682e1f4f8aefd70349bb64eb06fe8d3821229d96da2676"}  # 4's, tool template
+               5: "a60089d31a080a05a3682e1f4f8aefd70349bb64eb06fe8d3821229d96da2676",  # 4's, tool template
+               6: "6e608fcea0c9f3703df0eb6ff85670ccbb75b692b6d3d91448367547098f1eeb"}  # the tool task
     shipped = (TRAINED_DIR / "model-00001-of-00001.safetensors").read_bytes()
     assert hashlib.sha256(shipped).hexdigest() == weights.get(TINY_VERSION), "bump TINY_VERSION with the weights"
 
