@@ -20,7 +20,7 @@ would leave none to train; the shares keep both sides for every length.
 `heldout_examples` lists the set length by length in turn (1, 2, ..., 8, 1, ...),
 so any prefix covers every length while it lasts.
 
-The tool task is the same prompts with tools offered (TOOLS: `sort_digits`
+The tool task is the same prompts with tools offered (`TOOL_NAMES`: `sort_digits`
 and `reverse_digits`, one string parameter `digits`): the task's own tool,
 alone or beside the other in either order. The answer is two turns: a call of
 the task's tool with the prompt's list, in Qwen3.6's XML (`tool_call_text`),
