@@ -62,12 +62,10 @@ class ChatCodec:
         after the tool's result (the example's answer) in a `tool` message, that result."""
         ex, tools = case.example, case.tool_specs()
         user = {"role": "user", "content": ex.prompt}
-        call = case.call()
-        sent = {**call, "function": {**call["function"], "arguments": case.arguments}}
+        sent = {"id": "call_0", "type": "function", "function": {"name": case.name, "arguments": case.arguments}}
         after = [user, {"role": "assistant", "content": "", "tool_calls": [sent]},
                  {"role": "tool", "content": ex.answer}]
-        return [(self.render_ids([user], enable_thinking, tools), tool_call_text(sent["function"]["name"],
-                                                                                 case.arguments)),
+        return [(self.render_ids([user], enable_thinking, tools), tool_call_text(case.name, case.arguments)),
                 (self.render_ids(after, enable_thinking, tools), ex.answer)]
 
     def response_ids(self, answer: str, enable_thinking: bool) -> list[int]:
@@ -77,16 +75,16 @@ class ChatCodec:
 
     def block_target(self, answer: str, enable_thinking: bool, block_size: int) -> list[int]:
         """Response, `<|im_end|>`, then `<|endoftext|>` up to the block end."""
-        ids = self.response_ids(answer, enable_thinking) + [self.im_end]
-        if len(ids) > block_size:
-            raise ValueError(f"response of {len(ids)} tokens does not fit one block of {block_size}")
-        return ids + [self.eot] * (block_size - len(ids))
+        response = self.response_ids(answer, enable_thinking)
+        if len(response) + 1 > block_size:
+            raise ValueError(f"response of {len(response) + 1} tokens does not fit one block of {block_size}")
+        return self.block_at([], response, block_size, 0)[1]
 
-    def block_at(self, prompt: list[int], answer: str, enable_thinking: bool, block_size: int,
-                 j: int) -> tuple[list[int], list[int]]:
-        """(causal ids, block target) of the response's block j: the prompt and the response's first j blocks,
-        then block j's tokens, `<|im_end|>` after the response's last, `<|endoftext|>` to the block's end."""
-        ids = self.response_ids(answer, enable_thinking) + [self.im_end]
+    def block_at(self, prompt: list[int], response: list[int], block_size: int, j: int) -> tuple[list[int], list[int]]:
+        """(causal ids, block target) of block j of `response` (its ids, `response_ids`): the prompt and the
+        response's first j blocks, then block j's tokens, `<|im_end|>` after the response's last, `<|endoftext|>`
+        to the block's end."""
+        ids = response + [self.im_end]
         if not 0 <= j < blocks_of(len(ids), block_size):
             raise ValueError(f"response of {len(ids)} tokens has no block {j} of {block_size}")
         target = ids[j * block_size:(j + 1) * block_size]

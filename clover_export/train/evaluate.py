@@ -226,8 +226,7 @@ def call_is_correct(case: ToolCase, text: str) -> bool:
     if "</think>" in text:
         text = text.split("</think>", 1)[1]
     content, calls = XmlToolCalls.parse(text, case.tool_specs())
-    want = case.call()["function"]
-    return (not content.strip() and len(calls) == 1 and calls[0].name == want["name"]
+    return (not content.strip() and len(calls) == 1 and calls[0].name == case.name
             and json.loads(calls[0].arguments) == case.arguments)
 
 

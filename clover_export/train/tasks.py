@@ -31,7 +31,6 @@ so the held-out tool cases are fixed as well.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 
@@ -124,17 +123,17 @@ class ToolCase:
     tools: tuple[str, ...]  # the tasks whose tools are offered, in order; the example's own among them
 
     @property
+    def name(self) -> str:
+        """The function the call names: the example's task's tool."""
+        return TOOL_NAMES[self.example.task]
+
+    @property
     def arguments(self) -> dict[str, str]:
         """The call's arguments: the prompt's list as written."""
         return {TOOL_PARAMETER: self.example.prompt.split(": ", 1)[1]}
 
     def tool_specs(self) -> list[dict]:
         return [tool_spec(t) for t in self.tools]
-
-    def call(self) -> dict:
-        """The assistant's call, as an OpenAI client sends it back (arguments as JSON text)."""
-        return {"id": "call_0", "type": "function",
-                "function": {"name": TOOL_NAMES[self.example.task], "arguments": json.dumps(self.arguments)}}
 
 
 def tool_case(example: Example) -> ToolCase:

@@ -117,7 +117,7 @@ class Batches:
             prompt, answer = self.codec.tool_turns(case, thinking)[int(i % 3 == 2)]  # two calls, then an answer
             ids = self.codec.response_ids(answer, thinking)
             j = self.tool_rng.randrange(blocks_of(len(ids) + 1, self.N))
-            rows, target = self.codec.block_at(prompt, answer, thinking, self.N, j)
+            rows, target = self.codec.block_at(prompt, ids, self.N, j)
             causal.append(rows)
             targets.append(target)
             prompts.append(prompt)

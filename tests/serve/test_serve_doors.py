@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_serve import ThreadServer
-from test_serve_tools import SCRIPT, SORT, TOOLS, WEATHER, pieces, scripted_deliver
+from test_serve_tools import SCRIPT, SORT, TOOLS, WEATHER, heldout, pieces, scripted_deliver
 
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
@@ -242,14 +242,14 @@ def test_the_default_uses_its_tool_through_the_messages_door(server, claude):
     """The tool task the embedded default was trained on (train/tasks.py), as an Anthropic agent runs it: a
     `tool_use` block of the prompt's tool with the prompt's list (stop_reason tool_use), then, after the
     `tool_result`, the result as text (end_turn). The prompt is held out."""
-    ex = next(e for e in tasks.heldout_examples() if e.task == "reverse" and e.items == 6)
+    ex = heldout("reverse", 6)
     specs = [tasks.tool_spec("sort")["function"], tasks.tool_spec("reverse")["function"]]
     tools = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"]} for f in specs]
     ask = [{"role": "user", "content": ex.prompt}]
     out = claude.messages.create(model=MODEL, max_tokens=160, extra_body=GREEDY, tools=tools, messages=ask,
                                  thinking={"type": "disabled"})
     (use,) = [b for b in out.content if b.type == "tool_use"]
-    want = ("reverse_digits", {"digits": ex.prompt.split(": ")[1]}, "tool_use")
+    want = ("reverse_digits", tasks.tool_case(ex).arguments, "tool_use")
     assert (use.name, use.input, out.stop_reason) == want
     turn = [*ask, {"role": "assistant", "content": out.content},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": ex.answer}]}]

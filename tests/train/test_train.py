@@ -130,7 +130,8 @@ def test_tool_turns_are_what_the_template_renders(codec, thinking):
         reference = transformers.AutoTokenizer.from_pretrained(tmp)
     case = tasks.tool_case(tasks.make_example("reverse", [4, 0, 7]))
     (first, call), (second, answer) = codec.tool_turns(case, thinking)
-    sent = {**case.call(), "function": {**case.call()["function"], "arguments": {"digits": "4 0 7"}}}
+    sent = {"id": "call_0", "type": "function",
+            "function": {"name": "reverse_digits", "arguments": {"digits": "4 0 7"}}}
     user = {"role": "user", "content": "Reverse: 4 0 7"}
     turns = ([user], [user, {"role": "assistant", "content": "", "tool_calls": [sent]},
                       {"role": "tool", "content": "7 0 4"}])
@@ -153,12 +154,12 @@ def test_a_long_response_is_trained_block_by_block(codec):
     assert len(ids) + 1 > 3 * N  # four blocks of 24
     joined = []
     for j in range(4):
-        rows, target = codec.block_at(prompt, call, True, N, j)
+        rows, target = codec.block_at(prompt, ids, N, j)
         assert rows == prompt + ids[:j * N] and len(target) == N
         joined += target
     assert joined == ids + [codec.im_end] + [codec.eot] * (4 * N - len(ids) - 1)
     with pytest.raises(ValueError, match="no block 4"):
-        codec.block_at(prompt, call, True, N, 4)
+        codec.block_at(prompt, ids, N, 4)
 
 
 def test_tool_batches_hold_calls_and_answers(codec):
