@@ -58,18 +58,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 @dataclass
 class Run:
-    """One engine at one batch size: its tokens per prompt, and the seconds it took over every round."""
+    """One engine at one batch size: its tokens per prompt (the last round's; every round makes the same),
+    and the seconds it took over all `rounds`."""
 
     engine: str
     batch: int
     tokens: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
+    rounds: int = 0
     forwards: int = 0
     error: str | None = None
 
     @property
     def count(self) -> int:
         return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.count * self.rounds / self.seconds
 
 
 # --- the checkpoints --------------------------------------------------------------------------------------
@@ -194,7 +200,8 @@ class Step(Exception):
 
 
 def timed_batches(run_batch, job: dict) -> dict:
-    """{batch: {"tokens": [...], "seconds": s}}: every prompt in groups of `batch`, after one warm-up."""
+    """{batch: {"tokens": [...], "seconds": s}}: every prompt in groups of `batch`, after one warm-up; the
+    seconds of one round (the mean over `rounds`), as the tokens are one round's."""
     run_batch(job["prompts"][:1])
     out = {}
     for batch in job["batches"]:
@@ -203,7 +210,7 @@ def timed_batches(run_batch, job: dict) -> dict:
             toks = []
             for i in range(0, len(job["prompts"]), batch):
                 toks += run_batch(job["prompts"][i:i + batch])
-        out[str(batch)] = {"tokens": toks, "seconds": time.perf_counter() - t0}
+        out[str(batch)] = {"tokens": toks, "seconds": (time.perf_counter() - t0) / job["rounds"]}
     return out
 
 
@@ -318,6 +325,7 @@ class Bench:
                     t, f = engines[name](self.prompts[i:i + batch])
                     toks, forwards = toks + t, forwards + f
                 runs[name].seconds += self.clock() - t0
+                runs[name].rounds += 1
                 runs[name].tokens, runs[name].forwards = toks, forwards
         return runs
 
@@ -352,9 +360,9 @@ def report_rows(bench: Bench, runs: dict[int, dict[str, Run]], peers: list[dict]
     ref = runs[min(runs)]["transformers"].tokens
     rows = []
     for batch, by_name in runs.items():
-        base = by_name["transformers"].count / by_name["transformers"].seconds
+        base = by_name["transformers"].tokens_per_s
         for name, run in by_name.items():
-            tps = run.count / run.seconds
+            tps = run.tokens_per_s
             rows.append(dict(model=bench.name, engine=name, batch=batch, tokens_per_s=tps, ratio=tps / base,
                              tokens_per_forward=run.count / run.forwards if run.forwards else None,
                              **bench.compare(run.tokens, ref)))

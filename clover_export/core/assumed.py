@@ -37,6 +37,15 @@ def anticausal_conv(m: torch.Tensor, w_right: torch.Tensor) -> torch.Tensor:
     return F.conv1d(padded, w_right.unsqueeze(1), groups=w_right.shape[0]).transpose(1, 2)
 
 
+def block_conv_taps(w: torch.Tensor, w_right: torch.Tensor) -> torch.Tensor:
+    """The block's causal conv (from the prefix state) plus `anticausal_conv`, as one depthwise kernel [C, 2K-1]
+    over [state, block rows, K-1 zero rows]: w's first K-1 taps, then w's last plus w_right's first (both
+    multiply the row itself), then w_right's others. The eager runtime's form: one conv in place of two and
+    a sum, equal up to rounding."""
+    K = w.shape[-1]
+    return torch.cat([w[:, :K - 1], w[:, K - 1:] + w_right[:, :1], w_right[:, 1:]], dim=1)
+
+
 def block_mixer(
     q: torch.Tensor,  # [B, N, Hv, dk] L2-normalised, NOT yet scaled by dk^-1/2 (fp32)
     k: torch.Tensor,  # [B, N, Hv, dk] L2-normalised (fp32)

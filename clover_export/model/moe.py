@@ -7,9 +7,14 @@ the block's expert coreset when it is enabled. The shared expert stays outside.
 
 `moe_core_gathered` is `moe_core` run eagerly: each selected expert on the
 rows routed to it only (what the torch backend runs on the CPU; never traced:
-its loop depends on the routing). Each row sums the same expert terms in the
+its shapes depend on the routing). Each row sums the same expert terms in the
 same expert order; `moe_core` adds exact zeros for the others, so the two
 differ only by the GEMMs' rounding over fewer rows (tests/backends/test_torch_backend_eager.py).
+A small step (a decode row, a draft's verification, a block) is dominated by
+per-op costs, not arithmetic: there the used experts run as two batched GEMMs
+over rows padded to the busiest expert's count (`experts_batched`), where a
+loop would issue ~6 ops per expert; a step whose padding or weight copy would
+cost more runs the loop (`experts_looped`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ import torch.nn.functional as F
 
 from clover_export.core import assumed
 from clover_export.core.sorting import stable_topk
+
+# experts_batched when the used experts padded to the busiest one hold at most BATCHED_PADDING x the (expert,
+# row) pairs plus one row per expert, and gathering the used experts' weights (none when all are used) copies
+# at most BATCHED_COPY_BYTES
+BATCHED_PADDING = 2
+BATCHED_COPY_BYTES = 1 << 22
 
 
 def route(probs: torch.Tensor, allowed: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,16 +88,46 @@ def moe_core_gathered(x, router_w, gate_up, down, top_k: int, top_p: float, core
     E = router_w.shape[0]
     weights, chosen, distinct = routing(x, router_w, top_k, top_p, coreset, block_size)
     experts, rows = chosen.reshape(-1, E).t().nonzero().unbind(1)  # the (expert, row) pairs, by expert then row
-    counts = torch.bincount(experts, minlength=E).tolist()  # the step's one host read
-    ys = []
-    for e, xs in zip(range(E), x.reshape(-1, D).index_select(0, rows).split(counts)):
-        if xs.shape[0]:
-            gate, up = F.linear(xs, gate_up[e]).chunk(2, dim=-1)
-            ys.append(F.linear(F.silu(gate) * up, down[e]))
-    terms = torch.cat(ys) * weights.reshape(-1, E)[rows, experts].unsqueeze(-1)
+    counts = torch.bincount(experts, minlength=E)
+    per_expert = counts.tolist()  # the step's one host read
+    used = [e for e, c in enumerate(per_expert) if c]
+    xs = x.reshape(-1, D).index_select(0, rows)
+    copied = 0 if len(used) == E else len(used) * (gate_up[0].nbytes + down[0].nbytes)
+    if len(used) * max(per_expert) <= BATCHED_PADDING * len(rows) + len(used) and copied <= BATCHED_COPY_BYTES:
+        ys = experts_batched(xs, experts, counts, used, max(per_expert), gate_up, down)
+    else:
+        ys = experts_looped(xs, per_expert, gate_up, down)
+    terms = ys * weights.reshape(-1, E)[rows, experts].unsqueeze(-1)
     # index_add_ adds the pairs in order: each row's terms in increasing expert order, as moe_core's sum
     out = torch.zeros(B * T, D, dtype=x.dtype, device=x.device).index_add_(0, rows, terms)
     return out.reshape(B, T, D), distinct
+
+
+def experts_looped(xs: torch.Tensor, per_expert: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The pairs' expert outputs [P, D] (xs [P, D]: the pairs' rows, by expert then row), one expert at a time."""
+    ys = []
+    for e, rows in enumerate(xs.split(per_expert)):
+        if rows.shape[0]:
+            gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+            ys.append(F.linear(F.silu(gate) * up, down[e]))
+    return torch.cat(ys)
+
+
+def experts_batched(xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, used: list[int], width: int,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`experts_looped` as two batched GEMMs: the used experts' rows padded with zero rows to `width` (the
+    busiest expert's count) as [U, width, D]; each pair's output read back from its padded position."""
+    P, D = xs.shape
+    U = len(used)
+    start = counts.cumsum(0) - counts  # each expert's first pair
+    rank = (counts > 0).cumsum(0) - 1  # each used expert's place among the used
+    at = rank[experts] * width + torch.arange(P, device=xs.device) - start[experts]
+    padded = xs.new_zeros(U * width, D).index_copy_(0, at, xs).view(U, width, D)
+    if U < gate_up.shape[0]:
+        idx = torch.tensor(used, device=xs.device)
+        gate_up, down = gate_up.index_select(0, idx), down.index_select(0, idx)
+    gate, up = torch.bmm(padded, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    return torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).view(U * width, D).index_select(0, at)
 
 
 def moe_core_fp8(

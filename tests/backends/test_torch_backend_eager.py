@@ -56,8 +56,22 @@ def rounding_scale(x, router, gate_up, down) -> torch.Tensor:
     return out
 
 
+@pytest.fixture(params=["looped", "batched"])
+def experts_path(request, monkeypatch):
+    """moe_core_gathered made to run its experts one at a time, or as batched GEMMs; the calls are counted."""
+    from clover_export.model import moe
+
+    batched = request.param == "batched"
+    monkeypatch.setattr(moe, "BATCHED_PADDING", 10**9 if batched else -1)
+    monkeypatch.setattr(moe, "BATCHED_COPY_BYTES", 10**12 if batched else -1)
+    calls = []
+    real = getattr(moe, f"experts_{request.param}")
+    monkeypatch.setattr(moe, f"experts_{request.param}", lambda *a: (calls.append(1), real(*a))[1])
+    return calls
+
+
 @pytest.mark.parametrize("ill", [False, True], ids=["random", "ill-conditioned"])
-def test_gathered_moe_equals_the_dense_reference(ill):
+def test_gathered_moe_equals_the_dense_reference(ill, experts_path):
     x, router, gate_up, down = moe_case(3, ill)
     args = (TOP_K, TOP_P, True, N)
     _, chosen32, _ = routing(x, router, *args)
@@ -76,6 +90,29 @@ def test_gathered_moe_equals_the_dense_reference(ill):
         err = (got.double() - ref).abs()
         assert bool((err <= bound).all()), f"{name}: {float((err / bound).max()):.1f}x the fp32 rounding bound"
     assert bool(((gathered.double() - dense.double()).abs() <= bound).all())
+    assert experts_path == [1]  # the path asked for ran
+
+
+def test_gathered_moe_batches_small_steps_and_loops_over_skewed_ones(monkeypatch):
+    """The sizes pick the path: a decode row (top-4 of 16 experts, one row each) runs as batched GEMMs; 40 rows
+    that all take expert 0 and one of the others (padding every used expert to 40 rows: ~4x the pairs) loop."""
+    from clover_export.model import moe
+
+    calls = []
+    for path in ("looped", "batched"):
+        real = getattr(moe, f"experts_{path}")
+        monkeypatch.setattr(moe, f"experts_{path}", lambda *a, p=path, f=real: (calls.append(p), f(*a))[1])
+    x, router, gate_up, down = moe_case(4, False)
+    moe_core_gathered(x[:1, :1], router, gate_up, down, TOP_K, TOP_P, False, 0)
+    g = torch.Generator().manual_seed(5)
+    skewed = router.clone()
+    skewed[0] = 60.0 / D  # x has a positive mean: expert 0 first (logit ~60, the others' spread ~20) for
+    #                       every row, the second one varies
+    xs = torch.randn(1, 40, D, generator=g) + 1.0
+    _, chosen, _ = routing(xs, skewed, 2, 1.0, False, 0)
+    assert bool(chosen[0, :, 0].all()) and int(chosen[0, :, 1:].any(0).sum()) >= 4
+    moe_core_gathered(xs, skewed, gate_up, down, 2, 1.0, False, 0)
+    assert calls == ["batched", "looped"]
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 40, 70])
@@ -140,3 +177,53 @@ def test_steps_without_blocks_run_the_causal_rows_alone(model, monkeypatch):
     for name in pools:
         torch.testing.assert_close(pools[name], ref_pools[name], atol=1e-4, rtol=1e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("ill", [False, True], ids=["random", "ill-conditioned"])
+def test_eager_convs_are_the_reference_convs(ill):
+    """The runtime's convs (gdn.depthwise_conv) against the reference convs (conv1d) in float64, within fp32
+    rounding of their products: the causal conv from a state, and the block's causal and anticausal convs as
+    one kernel (assumed.block_conv_taps). ill: channels scaled 1e-3 .. 1e3, and the two block convs' taps on
+    the row itself nearly cancelling."""
+    from clover_export.core.assumed import anticausal_conv, block_conv_taps
+    from clover_export.model.gdn import causal_conv, causal_conv_taps, depthwise_conv
+
+    g = torch.Generator().manual_seed(11)
+    Bc, Nc, Cc, K = 2, 9, 12, 4
+    m, state = torch.randn(Bc, Nc, Cc, generator=g), torch.randn(Bc, Cc, K - 1, generator=g)
+    w, w_right = torch.randn(Cc, K, generator=g), torch.randn(Cc, K, generator=g)
+    if ill:
+        m = m * torch.logspace(-3, 3, Cc)
+        w_right[:, 0] = -w[:, -1] * (1 + 1e-4 * torch.randn(Cc, generator=g))
+    bound = 2 * K * torch.finfo(torch.float32).eps
+    md, sd, wd, rd = m.double(), state.double(), w.double(), w_right.double()
+    ref, size = causal_conv(md, sd, wd), causal_conv(md.abs(), sd.abs(), wd.abs())
+    got = causal_conv_taps(m, state, w)
+    assert got.shape == (Bc, Nc, Cc) and bool(((got.double() - ref).abs() <= bound * size).all())
+    ref = ref + anticausal_conv(md, rd)
+    size = size + anticausal_conv(md.abs(), rd.abs())
+    rows = torch.cat([state.transpose(1, 2), m, torch.zeros(Bc, K - 1, Cc)], dim=1)
+    got = depthwise_conv(rows, block_conv_taps(w, w_right))
+    assert got.shape == (Bc, Nc, Cc) and bool(((got.double() - ref).abs() <= bound * size).all())
+
+
+def test_a_block_step_in_place_equals_the_functional_step(model):
+    """A step of causal rows and a block, as the runtime runs it (in place: one delta-rule chunk of exactly the
+    causal rows, the block's convs as one, batched experts) against the model's functional step: block and
+    causal logits and every pool within fp32 rounding."""
+    Nb, mask = model.block_size, model.cfg.mask_token_id
+    g = torch.Generator().manual_seed(9)
+    ids = torch.full((2, 12 + Nb), mask, dtype=torch.int32)
+    ids[:, :12] = torch.randint(6, 500, (2, 12), generator=g, dtype=torch.int32)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    step = {names.INPUT_IDS: ids, names.N_CAUSAL: i32([12, 7]), names.HAS_BLOCK: i32([1, 1]),
+            names.SLOT_IDS: i32([1, 0]), names.PAST_LEN: i32([0, 0]),
+            names.LOGIT_ROWS: i32([list(range(12)), [min(j, 6) for j in range(12)]])}
+    eager, functional = TorchBackend(model), TorchBackend(model, in_place=False)
+    pools, ref_pools = eager.allocate_pools(2, 64), functional.allocate_pools(2, 64)
+    res, ref = eager.step(step, pools), functional.step(step, ref_pools)
+    torch.testing.assert_close(res[0], ref[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(res.causal_logits, ref.causal_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(res[1], ref[1])  # the same coreset sizes
+    for name in pools:
+        torch.testing.assert_close(pools[name], ref[2][name], atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
