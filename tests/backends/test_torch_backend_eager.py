@@ -95,7 +95,7 @@ def test_gathered_moe_equals_the_dense_reference(ill, experts_path):
 
 def test_gathered_moe_batches_small_steps_and_loops_over_skewed_ones(monkeypatch):
     """The sizes pick the path: a decode row (top-4 of 16 experts, one row each) runs as batched GEMMs; 40 rows
-    that all take expert 0 and one of the others (padding every used expert to 40 rows: ~4x the pairs) loop."""
+    that all take expert 0 and one of the others (padding every used expert to 40 rows: over twice the pairs) loop."""
     from clover_export.model import moe
 
     calls = []
