@@ -10,11 +10,12 @@ rows routed to it only (what the torch backend runs on the CPU; never traced:
 its shapes depend on the routing). Each row sums the same expert terms in the
 same expert order; `moe_core` adds exact zeros for the others, so the two
 differ only by the GEMMs' rounding over fewer rows (tests/backends/test_torch_backend_eager.py).
-A small step (a decode row, a draft's verification, a block) is dominated by
-per-op costs, not arithmetic: there the used experts run as two batched GEMMs
-over rows padded to the busiest expert's count (`experts_batched`), where a
-loop would issue ~6 ops per expert; a step whose padding or weight copy would
-cost more runs the loop (`experts_looped`).
+A small step that uses several experts (a draft's verification, a block) is
+dominated by per-op costs, not arithmetic: there the used experts run as two
+batched GEMMs over rows padded to the busiest expert's count
+(`experts_batched`), where a loop would issue ~6 ops per expert; a step that
+uses few experts (a decode row), or whose padding or weight copy would cost
+more, runs the loop (`experts_looped`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import torch.nn.functional as F
 from clover_export.core import assumed
 from clover_export.core.sorting import stable_topk
 
-# experts_batched when the used experts padded to the busiest one hold at most BATCHED_PADDING x the (expert,
-# row) pairs plus one row per expert, and gathering the used experts' weights (none when all are used) copies
-# at most BATCHED_COPY_BYTES
+# experts_batched when at least BATCHED_MIN_EXPERTS experts are used (its ~20 ops against the loop's ~6 per
+# expert), padded to the busiest one they hold at most BATCHED_PADDING x the (expert, row) pairs plus one row
+# per expert, and gathering their weights (none when all are used) copies at most BATCHED_COPY_BYTES
+BATCHED_MIN_EXPERTS = 4
 BATCHED_PADDING = 2
 BATCHED_COPY_BYTES = 1 << 22
 
@@ -91,9 +93,10 @@ def moe_core_gathered(x, router_w, gate_up, down, top_k: int, top_p: float, core
     counts = torch.bincount(experts, minlength=E)
     per_expert = counts.tolist()  # the step's one host read
     used = [e for e, c in enumerate(per_expert) if c]
-    xs = x.reshape(-1, D).index_select(0, rows)
-    copied = 0 if len(used) == E else len(used) * (gate_up[0].nbytes + down[0].nbytes)
-    if len(used) * max(per_expert) <= BATCHED_PADDING * len(rows) + len(used) and copied <= BATCHED_COPY_BYTES:
+    U, xs = len(used), x.reshape(-1, D).index_select(0, rows)
+    copied = 0 if U == E else U * (gate_up[0].nbytes + down[0].nbytes)
+    if U >= BATCHED_MIN_EXPERTS and U * max(per_expert) <= BATCHED_PADDING * len(rows) + U and \
+            copied <= BATCHED_COPY_BYTES:
         ys = experts_batched(xs, experts, counts, used, max(per_expert), gate_up, down)
     else:
         ys = experts_looped(xs, per_expert, gate_up, down)

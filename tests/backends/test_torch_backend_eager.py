@@ -62,6 +62,7 @@ def experts_path(request, monkeypatch):
     from clover_export.model import moe
 
     batched = request.param == "batched"
+    monkeypatch.setattr(moe, "BATCHED_MIN_EXPERTS", 0 if batched else 10**9)
     monkeypatch.setattr(moe, "BATCHED_PADDING", 10**9 if batched else -1)
     monkeypatch.setattr(moe, "BATCHED_COPY_BYTES", 10**12 if batched else -1)
     calls = []
@@ -94,8 +95,9 @@ def test_gathered_moe_equals_the_dense_reference(ill, experts_path):
 
 
 def test_gathered_moe_batches_small_steps_and_loops_over_skewed_ones(monkeypatch):
-    """The sizes pick the path: a decode row (top-4 of 16 experts, one row each) runs as batched GEMMs; 40 rows
-    that all take expert 0 and one of the others (padding every used expert to 40 rows: over twice the pairs) loop."""
+    """The sizes pick the path: a row that uses 4 of 16 experts runs as batched GEMMs; a row that uses 2 (fewer
+    than BATCHED_MIN_EXPERTS: the loop's ops are fewer) loops, and so do 40 rows that all take expert 0 and one
+    of the others (padding every used expert to 40 rows: over twice the pairs)."""
     from clover_export.model import moe
 
     calls = []
@@ -103,7 +105,8 @@ def test_gathered_moe_batches_small_steps_and_loops_over_skewed_ones(monkeypatch
         real = getattr(moe, f"experts_{path}")
         monkeypatch.setattr(moe, f"experts_{path}", lambda *a, p=path, f=real: (calls.append(p), f(*a))[1])
     x, router, gate_up, down = moe_case(4, False)
-    moe_core_gathered(x[:1, :1], router, gate_up, down, TOP_K, TOP_P, False, 0)
+    moe_core_gathered(x[:1, :1], router, gate_up, down, 4, TOP_P, False, 0)
+    moe_core_gathered(x[:1, :1], router, gate_up, down, 2, TOP_P, False, 0)
     g = torch.Generator().manual_seed(5)
     skewed = router.clone()
     skewed[0] = 60.0 / D  # x has a positive mean: expert 0 first (logit ~60, the others' spread ~20) for
@@ -112,7 +115,7 @@ def test_gathered_moe_batches_small_steps_and_loops_over_skewed_ones(monkeypatch
     _, chosen, _ = routing(xs, skewed, 2, 1.0, False, 0)
     assert bool(chosen[0, :, 0].all()) and int(chosen[0, :, 1:].any(0).sum()) >= 4
     moe_core_gathered(xs, skewed, gate_up, down, 2, 1.0, False, 0)
-    assert calls == ["batched", "looped"]
+    assert calls == ["batched", "looped", "looped"]
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 40, 70])
