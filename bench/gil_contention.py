@@ -20,7 +20,8 @@ import statistics
 import threading
 import time
 
-PROMPTS = ["The answer is", "What is 2 + 3?", "12*12=", "What is 7 + 8?", "Hi", "Tell me a story"]
+from serve_load import PROMPTS  # bench/, this script's folder, is first on the path
+
 CHUNK = {"id": "cmpl-0", "object": "text_completion", "model": "tiny",
          "choices": [{"index": 0, "text": "abc def", "logprobs": None, "finish_reason": None}]}
 

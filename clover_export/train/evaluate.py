@@ -25,6 +25,7 @@ second turn's prompt holds the expected call, as a client sends the call back.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,8 +220,6 @@ class ToolScore:
 
 def call_is_correct(case: ToolCase, text: str) -> bool:
     """`text` (an assistant turn, thinking included) is one call of the case's tool with its arguments, alone."""
-    import json
-
     from clover_export.serve.tool_calls import XmlToolCalls
 
     if "</think>" in text:

@@ -56,19 +56,27 @@ def rounding_scale(x, router, gate_up, down) -> torch.Tensor:
     return out
 
 
+def record_experts_paths(monkeypatch) -> list[str]:
+    """The paths moe_core_gathered's calls take ("looped", "batched"), in order."""
+    from clover_export.model import moe
+
+    calls = []
+    for path in ("looped", "batched"):
+        real = getattr(moe, f"experts_{path}")
+        monkeypatch.setattr(moe, f"experts_{path}", lambda *a, p=path, f=real: (calls.append(p), f(*a))[1])
+    return calls
+
+
 @pytest.fixture(params=["looped", "batched"])
 def experts_path(request, monkeypatch):
-    """moe_core_gathered made to run its experts one at a time, or as batched GEMMs; the calls are counted."""
+    """moe_core_gathered made to run its experts one at a time, or as batched GEMMs: (that path, the paths taken)."""
     from clover_export.model import moe
 
     batched = request.param == "batched"
     monkeypatch.setattr(moe, "BATCHED_MIN_EXPERTS", 0 if batched else 10**9)
     monkeypatch.setattr(moe, "BATCHED_PADDING", 10**9 if batched else -1)
     monkeypatch.setattr(moe, "BATCHED_COPY_BYTES", 10**12 if batched else -1)
-    calls = []
-    real = getattr(moe, f"experts_{request.param}")
-    monkeypatch.setattr(moe, f"experts_{request.param}", lambda *a: (calls.append(1), real(*a))[1])
-    return calls
+    return request.param, record_experts_paths(monkeypatch)
 
 
 @pytest.mark.parametrize("ill", [False, True], ids=["random", "ill-conditioned"])
@@ -91,19 +99,15 @@ def test_gathered_moe_equals_the_dense_reference(ill, experts_path):
         err = (got.double() - ref).abs()
         assert bool((err <= bound).all()), f"{name}: {float((err / bound).max()):.1f}x the fp32 rounding bound"
     assert bool(((gathered.double() - dense.double()).abs() <= bound).all())
-    assert experts_path == [1]  # the path asked for ran
+    path, taken = experts_path
+    assert taken == [path]  # the path asked for ran
 
 
 def test_gathered_moe_batches_small_steps_and_loops_over_skewed_ones(monkeypatch):
     """The sizes pick the path: a row that uses 4 of 16 experts runs as batched GEMMs; a row that uses 2 (fewer
     than BATCHED_MIN_EXPERTS: the loop's ops are fewer) loops, and so do 40 rows that all take expert 0 and one
     of the others (padding every used expert to 40 rows: over twice the pairs)."""
-    from clover_export.model import moe
-
-    calls = []
-    for path in ("looped", "batched"):
-        real = getattr(moe, f"experts_{path}")
-        monkeypatch.setattr(moe, f"experts_{path}", lambda *a, p=path, f=real: (calls.append(p), f(*a))[1])
+    calls = record_experts_paths(monkeypatch)
     x, router, gate_up, down = moe_case(4, False)
     moe_core_gathered(x[:1, :1], router, gate_up, down, 4, TOP_P, False, 0)
     moe_core_gathered(x[:1, :1], router, gate_up, down, 2, TOP_P, False, 0)
