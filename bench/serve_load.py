@@ -1,7 +1,7 @@
 """Load on `clover-export serve`: N concurrent streaming clients vs the Generator called directly (SERVING.md).
 
     python bench/serve_load.py [MODEL] [--requests 24] [--concurrency 1,8,32] [--max-tokens 64] [--rounds 2]
-        [--warmup 2]
+        [--warmup 2] [--engines process,thread]
 
 For each concurrency c, the same fixed list of greedy requests runs both
 ways, alternating A B B A (--rounds) so that load drift cancels: (1) over HTTP against a `clover-export serve`
@@ -20,6 +20,9 @@ The direct side runs twice, and the overhead is printed against both:
   network reaches a continuous-batching engine: it arrives while the next step runs and joins the one after
   (what every served request pays, whatever the server; bench/README.md, serve_load.py). The overhead
   against `direct+1` is the server's own cost: HTTP, checks, tokenizing, streaming, its threads.
+
+`--engines process,thread` runs one server per `clover-export serve --engine` (the engine in its own process,
+the default; or on a thread of the server's process), each one more side of the same alternation.
 """
 
 from __future__ import annotations
@@ -132,13 +135,13 @@ def run_direct(gen, jobs: list[str], concurrency: int, max_tokens: int, lag: boo
     return [out[i] for i in range(len(jobs))], clock() - t0
 
 
-def start_server(model, backend, max_batch, max_queue):
+def start_server(model, backend, max_batch, max_queue, engine="process"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "clover_export.cli", "serve", *([model] if model else []), "--port", str(port),
            "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--log-level", "warning",
-           *(["--backend", backend] if backend else [])]
+           "--engine", engine, *(["--backend", backend] if backend else [])]
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
@@ -163,8 +166,11 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="direct/server alternations (A B B A ...) per level")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds of both sides first, per level")
+    ap.add_argument("--engines", default="process",
+                    help="the servers' --engine, comma-separated: process, thread, or both side by side")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     max_batch = max(levels)
 
     # the direct side runs as the server does (start_server passes OMP_NUM_THREADS=1): without it this process's
@@ -177,63 +183,73 @@ def main():
     torch.set_num_threads(1)
     backend = args.backend or "torch"
     gen = Generator.load(args.model, backend=backend, max_slots=max_batch)
-    proc, url = start_server(args.model, args.backend, max_batch, max(64, args.requests))
+    servers = {}
     rows = []
     try:
+        for engine in engines:
+            servers[engine] = start_server(args.model, args.backend, max_batch, max(64, args.requests), engine)
         for c in levels:
             jobs = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-            direct, lagged, served, d_wall, s_wall = [], [], [], 0.0, 0.0
-            sides = ("direct", "direct+1", "served")
+            direct, lagged, d_wall = [], [], 0.0
+            served = {e: [] for e in engines}
+            s_wall = dict.fromkeys(engines, 0.0)
+            sides = ("direct", "direct+1", *engines)
             for _ in range(args.warmup):  # untimed: both processes' first passes (allocations, caches) run slow
                 run_direct(gen, jobs, c, args.max_tokens)
-                asyncio.run(run_http(url, jobs, c, args.max_tokens))
+                for _proc, url in servers.values():
+                    asyncio.run(run_http(url, jobs, c, args.max_tokens))
             for r in range(args.rounds):  # A B C C B A ...: a load drift on the shared machine cancels out
                 for side in sides if r % 2 == 0 else sides[::-1]:
-                    if side == "served":
-                        outs, wall = asyncio.run(run_http(url, jobs, c, args.max_tokens))
-                        served, s_wall = served + outs, s_wall + wall
+                    if side in servers:
+                        outs, wall = asyncio.run(run_http(servers[side][1], jobs, c, args.max_tokens))
+                        served[side] += outs
+                        s_wall[side] += wall
                     elif side == "direct":
                         outs, wall = run_direct(gen, jobs, c, args.max_tokens)
                         direct, d_wall = direct + outs, d_wall + wall
                     else:
                         lagged += run_direct(gen, jobs, c, args.max_tokens, lag=True)[0]
             n = len(jobs) * args.rounds
-            bad = sum(a.text != b.text or a.tokens != b.tokens for a, b in zip(direct, served))
-            bad += sum(a.text != b.text or a.tokens != b.tokens for a, b in zip(direct, lagged))
-            lat_s = statistics.mean(o.latency for o in served)
             lat_d = statistics.mean(o.latency for o in direct)
             lat_l = statistics.mean(o.latency for o in lagged)
-            tokens = sum(o.tokens for o in served)
-            rows.append(
-                dict(
-                    concurrency=c,
-                    requests=n,
-                    req_per_s=n / s_wall,
-                    direct_req_per_s=n / d_wall,
-                    ttfb_p50_ms=1e3 * pct([o.ttfb for o in served], 50),
-                    ttfb_p99_ms=1e3 * pct([o.ttfb for o in served], 99),
-                    tokens_per_s=tokens / s_wall,
-                    direct_tokens_per_s=sum(o.tokens for o in direct) / d_wall,
-                    latency_ms=1e3 * lat_s,
-                    direct_latency_ms=1e3 * lat_d,
-                    overhead_ms=1e3 * (lat_s - lat_d),
-                    overhead_pct=100 * (lat_s - lat_d) / lat_s,
-                    lagged_latency_ms=1e3 * lat_l,
-                    server_cost_ms=1e3 * (lat_s - lat_l),
-                    server_cost_pct=100 * (lat_s - lat_l) / lat_s,
-                    mismatched=bad,
+            for engine in engines:
+                outs = served[engine]
+                bad = sum(a.text != b.text or a.tokens != b.tokens for a, b in zip(direct, outs))
+                bad += sum(a.text != b.text or a.tokens != b.tokens for a, b in zip(direct, lagged))
+                lat_s = statistics.mean(o.latency for o in outs)
+                rows.append(
+                    dict(
+                        concurrency=c,
+                        engine=engine,
+                        requests=n,
+                        req_per_s=n / s_wall[engine],
+                        direct_req_per_s=n / d_wall,
+                        ttfb_p50_ms=1e3 * pct([o.ttfb for o in outs], 50),
+                        ttfb_p99_ms=1e3 * pct([o.ttfb for o in outs], 99),
+                        tokens_per_s=sum(o.tokens for o in outs) / s_wall[engine],
+                        direct_tokens_per_s=sum(o.tokens for o in direct) / d_wall,
+                        latency_ms=1e3 * lat_s,
+                        direct_latency_ms=1e3 * lat_d,
+                        overhead_ms=1e3 * (lat_s - lat_d),
+                        overhead_pct=100 * (lat_s - lat_d) / lat_s,
+                        lagged_latency_ms=1e3 * lat_l,
+                        server_cost_ms=1e3 * (lat_s - lat_l),
+                        server_cost_pct=100 * (lat_s - lat_l) / lat_s,
+                        mismatched=bad,
+                    )
                 )
-            )
-            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+                      flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
-    print("\n| concurrency | req/s (direct) | TTFB p50 / p99 ms | tokens/s (direct) | latency ms (direct; direct+1) "
-          "| overhead ms (%) | server's own cost: vs direct+1, ms (%) | lost/dup |")
-    print("|---|---|---|---|---|---|---|---|")
+        for proc, _url in servers.values():
+            proc.terminate()
+            proc.wait(60)
+    print("\n| concurrency | engine | req/s (direct) | TTFB p50 / p99 ms | tokens/s (direct) "
+          "| latency ms (direct; direct+1) | overhead ms (%) | server's own cost: vs direct+1, ms (%) | lost/dup |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['concurrency']} | {r['req_per_s']:.2f} ({r['direct_req_per_s']:.2f}) | "
+            f"| {r['concurrency']} | {r['engine']} | {r['req_per_s']:.2f} ({r['direct_req_per_s']:.2f}) | "
             f"{r['ttfb_p50_ms']:.0f} / {r['ttfb_p99_ms']:.0f} | "
             f"{r['tokens_per_s']:.1f} ({r['direct_tokens_per_s']:.1f}) "
             f"| {r['latency_ms']:.0f} ({r['direct_latency_ms']:.0f}; {r['lagged_latency_ms']:.0f}) | "

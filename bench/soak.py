@@ -21,7 +21,8 @@ its next request when the previous one ends) draw from a fixed-seed mix:
   Anthropic Messages and OpenAI Responses doors. An answer that breaks its promise is an error
   (`invalid: why`).
 
-Every `--sample-s` seconds: the server's RSS (/proc/PID/status VmRSS); from /metrics (parsed with
+Every `--sample-s` seconds: the server's RSS (/proc/PID/status VmRSS, summed over the server process and its
+children: the engine runs in a process of its own); from /metrics (parsed with
 prometheus_client's text parser) the rows holding a slot, the requests waiting, the prefix cache's
 snapshot and parked bytes and its budget, the requests answered by status; from the clients, the
 latency p50/p99 of the generation requests that ended since the last sample, and the errors.
@@ -151,10 +152,32 @@ def start_server(o: Options, log_path: Path) -> tuple[subprocess.Popen, str]:
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """The resident memory of process `pid` and its descendants (the server and its engine process)."""
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:  # ended meanwhile
+            continue
+        total += next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), 0.0)
+    return total or float("nan")
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids below `pid`, from each process's parent id in /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
 
 
 def server_figures(url: str) -> dict[str, float]:

@@ -36,11 +36,12 @@ class CompileLimits:
 
 class Grammar:
     """A compiled spec, shared by every request that asks for it and never changed: `matcher()` gives a
-    request its own state, a copy of the compiled start state."""
+    request its own state, a copy of the compiled start state. `spec`: what it was compiled from (another
+    process compiles it again from that: serve/engine_process.py)."""
 
-    def __init__(self, prototype, vocab: GrammarVocab, source: Source):
+    def __init__(self, prototype, vocab: GrammarVocab, source: Source, spec: Any = None):
         self._prototype, self._lock = prototype, threading.Lock()
-        self.vocab, self.source = vocab, source
+        self.vocab, self.source, self.spec = vocab, source, spec
 
     def matcher(self) -> Matcher:
         with self._lock:  # the engine's objects are not shared between threads
@@ -74,7 +75,7 @@ def build(spec: Any, vocab: GrammarVocab, limits: CompileLimits) -> Grammar:
         m.compute_bitmask()  # builds the lexer's start state: a limit it hits shows now, not mid-request
     if m.is_error():
         raise blame(source, vocab, limits, m.get_error())
-    return Grammar(m, vocab, source)
+    return Grammar(m, vocab, source, spec)
 
 
 def spec_key(spec: Any, limits: CompileLimits) -> str:

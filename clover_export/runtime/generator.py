@@ -174,20 +174,13 @@ class Stream:
         return self.result
 
 
-class Generator:
-    """A loaded backend plus tokenizer, generation defaults, scheduler and runner."""
+class Frontend:
+    """What checks and tokenizes requests for a model, without its backend: the model's config, tokenizer and
+    generation defaults, the engine's block size and context. A Generator is one; a server whose engine runs
+    in another process checks its requests against one of these (serve/engine_process.py)."""
 
-    def __init__(self, backend: Backend, source_dir: str | Path, config: RuntimeConfig | None = None,
-                 **settings: Any):
-        """`backend` opened from `source_dir`; `config`'s batch and cache settings, `settings` (its field names)
-        changing some (`Generator(backend, folder, max_slots=2)`)."""
-        self.config = config = dataclasses.replace(config or RuntimeConfig(), **settings)
-        cfg = backend.cfg
-        self.backend, self.cfg = backend, cfg
-        self.mask_id = cfg.require_mask_token()
-        limits = [cfg.max_context, backend.max_context] + ([config.max_context] if config.max_context else [])
-        self.max_context = min(limits)
-        self.block_size = backend.block_size
+    def __init__(self, cfg, source_dir: str | Path, block_size: int, max_context: int):
+        self.cfg, self.source_dir, self.block_size, self.max_context = cfg, source_dir, block_size, max_context
         self.tokenizer = ChatTokenizer(source_dir)
         self.defaults = load_generation_settings(source_dir, eos_fallback=cfg.eos_token_id)
         try:
@@ -196,33 +189,10 @@ class Generator:
             raise CloverError("generation_config", f"{Path(source_dir) / 'generation_config.json'}: {e}") from None
         im_end = self.tokenizer.im_end_id
         self.extra_end_ids = frozenset([im_end] if im_end is not None else [])
-        self.runner = Runner(backend, config.max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
-        self.prefix_cache = prefix_cache_for(config.prefix_cache, self.runner, self.block_size, im_end)
-        scheduler = Scheduler(config.max_slots, self.block_size, config.prefill_chunk, config.fold_commit,
-                              config.early_stop, shapes=getattr(backend, "step_shapes", None), cache=self.prefix_cache)
-        self.loop = Loop(scheduler, self.runner)
-        self.handles: dict[int, Stream] = {}
-        self.source_dir = source_dir
         self._grammar_vocab = None
         self._grammar_vocab_lock = threading.Lock()  # requests are prepared on several threads at once
 
-    @classmethod
-    def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
-             config: RuntimeConfig | None = None, **options: Any) -> "Generator":
-        """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once, as `config` says
-        (runtime/config.py). `backend` and `options` change it: a RuntimeConfig field by its name
-        (max_slots, prefix_cache, dtype, device, threads, ...), anything else goes to the backend's load
-        (triton: fp8_experts, cuda_graphs, graph_batch_sizes, graph_causal_rows, eager_fallback; ort:
-        providers). The backend left out: `backends.default_backend` (ort for an artifact, triton on a CUDA
-        GPU without TensorRT, else torch). CPU threads follow backends/threads.py; the caller's
-        torch.get_num_threads() is left as it was.
-        """
-        config = RuntimeConfig.of(config, **options, **({"backend": backend} if backend else {}))
-        name = config.backend_for(model_or_artifact)
-        be = open_backend(name, model_or_artifact, **config.load_options(name))
-        return cls(be, be.source_dir, dataclasses.replace(config, backend=name))
-
-    # --- requests ----------------------------------------------------------------
+    # --- checking requests --------------------------------------------------------
     def settings(self, **params: Any) -> GenerationSettings:
         """The model's defaults with per-request overrides, validated (DECODING.md 1.2)."""
         block_size = params.pop("block_size", None)
@@ -285,6 +255,44 @@ class Generator:
                               f"prompt token id {bad[0]} is outside the vocabulary (size {self.cfg.vocab_size})")
         return ids
 
+class Generator(Frontend):
+    """A loaded backend plus tokenizer, generation defaults, scheduler and runner."""
+
+    def __init__(self, backend: Backend, source_dir: str | Path, config: RuntimeConfig | None = None,
+                 **settings: Any):
+        """`backend` opened from `source_dir`; `config`'s batch and cache settings, `settings` (its field names)
+        changing some (`Generator(backend, folder, max_slots=2)`)."""
+        self.config = config = dataclasses.replace(config or RuntimeConfig(), **settings)
+        cfg = backend.cfg
+        self.backend = backend
+        self.mask_id = cfg.require_mask_token()
+        limits = [cfg.max_context, backend.max_context] + ([config.max_context] if config.max_context else [])
+        super().__init__(cfg, source_dir, backend.block_size, min(limits))
+        im_end = self.tokenizer.im_end_id
+        self.runner = Runner(backend, config.max_slots, self.max_context, self.mask_id, self.tokenizer.think_end_id)
+        self.prefix_cache = prefix_cache_for(config.prefix_cache, self.runner, self.block_size, im_end)
+        scheduler = Scheduler(config.max_slots, self.block_size, config.prefill_chunk, config.fold_commit,
+                              config.early_stop, shapes=getattr(backend, "step_shapes", None), cache=self.prefix_cache)
+        self.loop = Loop(scheduler, self.runner)
+        self.handles: dict[int, Stream] = {}
+
+    @classmethod
+    def load(cls, model_or_artifact: str | Path | None = None, backend: str | None = None, *,
+             config: RuntimeConfig | None = None, **options: Any) -> "Generator":
+        """Open a model folder (torch), an exported artifact (ort) or an engine (trt) once, as `config` says
+        (runtime/config.py). `backend` and `options` change it: a RuntimeConfig field by its name
+        (max_slots, prefix_cache, dtype, device, threads, ...), anything else goes to the backend's load
+        (triton: fp8_experts, cuda_graphs, graph_batch_sizes, graph_causal_rows, eager_fallback; ort:
+        providers). The backend left out: `backends.default_backend` (ort for an artifact, triton on a CUDA
+        GPU without TensorRT, else torch). CPU threads follow backends/threads.py; the caller's
+        torch.get_num_threads() is left as it was.
+        """
+        config = RuntimeConfig.of(config, **options, **({"backend": backend} if backend else {}))
+        name = config.backend_for(model_or_artifact)
+        be = open_backend(name, model_or_artifact, **config.load_options(name))
+        return cls(be, be.source_dir, dataclasses.replace(config, backend=name))
+
+    # --- requests ----------------------------------------------------------------
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                prompt_ids: list[int] | None = None, raw: bool = False, grammar: Any = None,
                **params: Any) -> Stream:

@@ -62,6 +62,9 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     connections: ConnectionLimits = ConnectionLimits()  # request heads, slow clients, open connections
     tool_call_parser: str | None = None  # a tool_calls.PARSERS name; None or "auto": from the chat template
+    # where the engine runs: "thread" (a thread of this process) or "process" (its own process, so that the HTTP
+    # side does not share its GIL: serve/engine_process.py); `clover-export serve` takes "process"
+    engine: str = "thread"
 
     @property
     def max_batch(self) -> int:
@@ -86,7 +89,13 @@ def build_app(options: ServeOptions) -> FastAPI:
         state = app.state
         state.metrics = Metrics(options.model_id)
         state.large_bodies = anyio.CapacityLimiter(1)
-        state.engine = Engine(options.load_generator, options.max_batch + options.max_queue, state.metrics)
+        pending = options.max_batch + options.max_queue
+        if options.engine == "process":
+            from clover_export.serve.engine_process import ProcessEngine
+
+            state.engine = ProcessEngine(options, pending, state.metrics)
+        else:
+            state.engine = Engine(options.load_generator, pending, state.metrics)
         state.engine.start()
         if options.wait_until_loaded:
             await asyncio.to_thread(state.engine.wait_ready, 3600)
@@ -206,8 +215,8 @@ def _routes(app: FastAPI) -> None:
         m, eng = request.app.state.metrics, request.app.state.engine
         running, waiting = eng.load_figures()
         m.load(running, waiting)
-        m.cache(eng.gen.prefix_cache if eng.gen is not None else None)
-        m.heap()
+        m.cache(eng.cache_figures())
+        m.heap(eng.heap_figures())
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
     _door_routes(app)

@@ -56,6 +56,7 @@ class Job:
         self.first_block: float | None = None
         self.released = False  # its final event ("done" or "error") is posted
         self.watcher: asyncio.Task | None = None  # the HTTP side's disconnect watch
+        self.pipe_id: int | None = None  # its id on the engine process's pipe (engine_process.py)
 
     def post(self, kind: str, value: Any = None) -> None:
         """Thread-safe: queue an event for the HTTP side now (the engine batches its own: `Engine._flush`)."""
@@ -90,6 +91,9 @@ class Full(Exception):
     def __init__(self, message: str, code: str = "server_busy"):
         super().__init__(message)
         self.code = code
+
+    def __reduce__(self):  # sent from the engine process with its code (engine_process.py)
+        return (type(self), (str(self), self.code))
 
 
 def shutting_down() -> Full:
@@ -396,3 +400,12 @@ class Engine:
             return 0, 0
         sched = self.gen.loop.scheduler
         return len(sched.running), len(sched.waiting) + len(self._inbox)
+
+    def cache_figures(self) -> dict[str, float] | None:
+        """The prefix cache's figures (`PrefixCache.figures`); None before loading or with the cache off."""
+        cache = self.gen.prefix_cache if self.gen is not None else None
+        return cache.figures() if cache is not None else None
+
+    def heap_figures(self) -> dict[str, int] | None:
+        """The C heap of the engine's process (core/heap.py)."""
+        return heap.heap_bytes()

@@ -23,7 +23,6 @@ from prometheus_client import (
     generate_latest,
 )
 
-from clover_export.core import heap
 from clover_export.runtime import decoding as modes
 from clover_export.serve import adapter
 from clover_export.serve.metrics_vllm import VllmMetrics
@@ -72,8 +71,9 @@ class Metrics:
                                  "(K/V rows and GDN states of finished sequences kept in idle slots)", ["kind"],
                                  registry=r)
         self.cache_budget = Gauge(PREFIX + "prefix_cache_budget_bytes", "prefix cache snapshot budget", registry=r)
-        self.heap_bytes = Gauge(PREFIX + "heap_bytes", "the process's C heap (glibc): in_use by live allocations, "
-                                "free kept by the allocator for reuse (core/heap.py)", ["state"], registry=r)
+        self.heap_bytes = Gauge(PREFIX + "heap_bytes", "the engine process's C heap (glibc): in_use by live "
+                                "allocations, free kept by the allocator for reuse (core/heap.py)", ["state"],
+                                registry=r)
         self.vllm = VllmMetrics(r, model_name)
 
     def step(self, seconds: float, running: int, waiting: int) -> None:
@@ -111,17 +111,16 @@ class Metrics:
             self.distinct_experts.observe(result.distinct_experts_per_block)
         self.vllm.finished(job, result)
 
-    def cache(self, cache) -> None:
-        """The prefix cache's figures now (a PrefixCache, or None when it is off)."""
-        figures = cache.figures() if cache is not None else {}
+    def cache(self, figures: dict[str, float] | None) -> None:
+        """The prefix cache's figures now (`PrefixCache.figures`; None when it is off)."""
+        figures = figures or {}
         self.cache_hit_rate.set(figures.get("hit_rate", 0.0))
         self.cache_bytes.labels("snapshots").set(figures.get("snapshot_bytes", 0))
         self.cache_bytes.labels("parked").set(figures.get("parked_bytes", 0))
         self.cache_budget.set(figures.get("budget_bytes", 0))
 
-    def heap(self) -> None:
-        """The C heap now: in use and kept free (absent without glibc)."""
-        figures = heap.heap_bytes()
+    def heap(self, figures: dict[str, int] | None) -> None:
+        """The engine process's C heap now (`heap.heap_bytes`): in use and kept free (absent without glibc)."""
         for state, value in (figures or {}).items():
             self.heap_bytes.labels(state).set(value)
 

@@ -237,7 +237,7 @@ def has_work(self):
     return real(self)
 Scheduler.has_work = has_work
 from clover_export.cli import main
-main(args=["serve", *sys.argv[1:]], prog_name="clover-export")
+main(args=["serve", "--engine", "thread", *sys.argv[1:]], prog_name="clover-export")
 """
 
 
