@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import pickle
 import signal
 import socket
@@ -35,6 +36,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -100,9 +102,12 @@ class ProcessEngine:
         from multiprocessing.connection import Connection
 
         ours, theirs = socket.socketpair()
+        # the child imports this package from where this process did, installed or not
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         with theirs:
             self._process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                             pass_fds=[theirs.fileno()])
+                                             pass_fds=[theirs.fileno()], env=env)
         # the child's end is closed here: its exit closes the pipe for the reader
         self._conn = Connection(ours.detach())
         serve_log = logging.getLogger("clover_export.serve")

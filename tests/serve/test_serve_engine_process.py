@@ -109,7 +109,9 @@ def test_a_door_reads_the_finished_request_s_record(server):
 
 def test_metrics_carry_the_engine_process_figures_and_return_to_zero(server):
     before = figures(server.url)
-    httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 8}, timeout=60).raise_for_status()
+    body = {"messages": [{"role": "user", "content": "Please sort the list 3 1 2 4 9"}], "max_tokens": 32,
+            "temperature": 0, "decoding": "self_spec"}
+    httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).raise_for_status()
     end = time.monotonic() + 5
     while True:  # the load figures come with each pass's events; cache and heap every FIGURES_S
         after = figures(server.url)
@@ -120,6 +122,8 @@ def test_metrics_carry_the_engine_process_figures_and_return_to_zero(server):
     assert after["clover_step_seconds_count"] > before.get("clover_step_seconds_count", 0)
     assert after['clover_heap_bytes{"state": "in_use"}'] > 0  # the engine process's heap
     assert after["clover_prefix_cache_budget_bytes"] > 0
+    drafts = 'vllm:spec_decode_num_draft_tokens_total{"model_name": "clover-tiny"}'
+    assert after[drafts] > before.get(drafts, 0)  # the runtime's draft counters come back with the result
 
 
 def test_a_full_queue_is_refused_here_and_a_cancelled_stream_frees_its_place(server):
