@@ -17,7 +17,7 @@ import click
 from clover_export.cli.options import runtime_options
 from clover_export.core.errors import CloverError
 from clover_export.core.step_shape import MAX_BATCH
-from clover_export.serve.engine import shutting_down
+from clover_export.serve.engine import ENGINES, shutting_down
 
 
 @click.command()
@@ -70,7 +70,7 @@ from clover_export.serve.engine import shutting_down
               show_default=True,
               help="How tool calls are read from the model's text: qwen3_coder (Qwen3.6's <function=...> XML), "
                    "hermes (JSON in <tool_call>), or auto: the format the chat template writes calls in.")
-@click.option("--engine", "engine", type=click.Choice(["process", "thread"]), default="process", show_default=True,
+@click.option("--engine", "engine", type=click.Choice(ENGINES), default="process", show_default=True,
               help="Where the engine runs: its own process (the HTTP side does not slow its steps: they share no "
                    "GIL), or a thread of the server's process (one process; what Ray replicas run).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")

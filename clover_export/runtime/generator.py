@@ -255,6 +255,7 @@ class Frontend:
                               f"prompt token id {bad[0]} is outside the vocabulary (size {self.cfg.vocab_size})")
         return ids
 
+
 class Generator(Frontend):
     """A loaded backend plus tokenizer, generation defaults, scheduler and runner."""
 

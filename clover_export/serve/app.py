@@ -32,7 +32,7 @@ from clover_export.serve import adapter, doors, protocol, tool_calls
 from clover_export.serve.choices import Choices
 from clover_export.serve.connections import ConnectionLimits, body_timed_out
 from clover_export.serve.doors.common import Call, Outcome, Pieces, matched_stop, renamed, sse
-from clover_export.serve.engine import Engine, Event, Full, Job
+from clover_export.serve.engine import ENGINES, Engine, Event, Full, Job
 from clover_export.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from clover_export.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
@@ -65,6 +65,10 @@ class ServeOptions:
     # where the engine runs: "thread" (a thread of this process) or "process" (its own process, so that the HTTP
     # side does not share its GIL: serve/engine_process.py); `clover-export serve` takes "process"
     engine: str = "thread"
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise CloverError("serve", f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     @property
     def max_batch(self) -> int:

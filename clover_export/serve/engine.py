@@ -34,6 +34,7 @@ from clover_export.core.errors import CloverError
 log = logging.getLogger("clover_export.serve")
 _job_names = itertools.count(1)
 MESSAGE_CHARS = 300  # an exception's text in a log line or an error body (a prompt may be megabytes)
+ENGINES = ("process", "thread")  # where a server's engine runs: its own process (engine_process.py), or this thread
 
 
 @dataclass
@@ -100,6 +101,18 @@ def shutting_down() -> Full:
     return Full("the server is shutting down; retry later", "server_shutting_down")
 
 
+def check_admission(engine, stopping: bool) -> None:
+    """`Full` unless `engine` (an Engine or a ProcessEngine, its lock held) takes one more request now."""
+    if engine.died is not None:
+        raise Full(f"the engine stopped ({engine.died}); retry later", "engine_stopped")
+    if engine.draining or stopping:
+        raise shutting_down()
+    if not engine.ready:
+        raise Full("the engine is loading; retry later")
+    if len(engine._live) >= engine.max_pending:
+        raise Full(f"the queue is full ({len(engine._live)} requests); retry later")
+
+
 def short(e: BaseException) -> str:
     """`Type: message`, the message cut to MESSAGE_CHARS."""
     text = str(e)
@@ -149,14 +162,7 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         with self._cond:
-            if self.died is not None:
-                raise Full(f"the engine stopped ({self.died}); retry later", "engine_stopped")
-            if self.draining or self._stop:
-                raise shutting_down()
-            if not self.ready:
-                raise Full("the engine is loading; retry later")
-            if len(self._live) >= self.max_pending:
-                raise Full(f"the queue is full ({len(self._live)} requests); retry later")
+            check_admission(self, self._stop)
             self._live.add(job)
             self._inbox.append(job)
             self._cond.notify()

@@ -4,8 +4,8 @@ The engine process).
 In one process the batch-loop thread gives up the GIL around every torch op (thousands a forward) and
 takes it back after; each time the event loop or a tokenizing worker holds it then, the step waits, and
 the hand-over itself costs a wake-up. Python busy a few per cent of the time beside the model slows its
-steps 7-21 % (bench/gil_contention.py); across processes the same work costs ~2 %. So `clover-export
-serve` runs the `Engine` (engine.py, unchanged) in a spawned child, as vLLM's V1 engine core does, and the
+steps 7-21 % (bench/gil_contention.py); across processes the same work costs at most 2 %. So `clover-export
+serve` runs the `Engine` (engine.py, unchanged) in a child process, as vLLM's V1 engine core does, and the
 HTTP process holds a `ProcessEngine`: the same interface, over one pipe.
 
 - Parent -> child: ("submit", id, kwargs, name), ("cancel", id), ("drain",), ("abort", error), ("stop",).
@@ -41,7 +41,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from clover_export.core.errors import CloverError
-from clover_export.serve.engine import Engine, Event, Full, Job, post_events, short, shutting_down
+from clover_export.serve.engine import Engine, Event, Full, Job, check_admission, post_events, short, shutting_down
 
 log = logging.getLogger("clover_export.serve")
 FIGURES_S = 0.5  # how often the child reads its load, prefix-cache and heap figures (sent when they change)
@@ -136,14 +136,7 @@ class ProcessEngine:
             kwargs["grammar"] = GrammarSpec(kwargs["grammar"].spec)
         with self._send_lock:  # registered and sent in one go: a cancel can only follow the submission
             with self._lock:
-                if self.died is not None:
-                    raise Full(f"the engine stopped ({self.died}); retry later", "engine_stopped")
-                if self.draining or self._stopping:
-                    raise shutting_down()
-                if not self.ready:
-                    raise Full("the engine is loading; retry later")
-                if len(self._live) >= self.max_pending:
-                    raise Full(f"the queue is full ({len(self._live)} requests); retry later")
+                check_admission(self, self._stopping)
                 job.pipe_id = next(self._ids)
                 self._live.add(job)
                 self._jobs[job.pipe_id] = job
@@ -239,6 +232,8 @@ class ProcessEngine:
                 log.critical("the engine stopped (%s); the server exits", why)
         except Exception as e:  # noqa: BLE001 - a message this side could not take: the engine is unusable
             why = f"the engine process's messages could not be read: {short(e)}"
+            log.critical("the engine stopped (%s); the server exits", why, exc_info=e)
+            self._process.kill()
         finally:
             self._end(why)
 

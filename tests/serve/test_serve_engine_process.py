@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_serve import ThreadServer, check_error
 
+from clover_export.core.errors import CloverError
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.engine_process import ProcessEngine
@@ -59,6 +60,11 @@ def figures(url):
         for s in family.samples:
             out[s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name] = s.value
     return out
+
+
+def test_an_unknown_engine_is_refused_naming_the_choices():
+    with pytest.raises(CloverError, match="engine must be one of process, thread, got 'fork'"):
+        ServeOptions(engine="fork")
 
 
 def test_the_engine_runs_in_another_process(server):
