@@ -3,6 +3,7 @@
     python bench/soak.py                          # 60 minutes, a sample every 30 s
     python bench/soak.py --minutes 10 --sample-s 15
     python bench/soak.py --minutes 1 --sample-s 3 --clients 3      # test-sized (tests/project/test_soak.py)
+    python bench/soak.py --minutes 10 --engine thread              # the engine on a thread of the server
 
 The server listens on 127.0.0.1 only and every request goes there; the request loops stop at the
 deadline or after `--max-requests`, whichever comes first; a request still running `--grace-s` after the
@@ -85,6 +86,7 @@ class Options:
     clients: int = 4
     model: str | None = None
     backend: str | None = None
+    engine: str = "process"  # the server's --engine
     max_batch: int = 8
     max_tokens: int = 48
     max_body_bytes: int = 64 << 10
@@ -145,7 +147,7 @@ class Report:
 # --- the server -------------------------------------------------------------------------------------------
 def start_server(o: Options, log_path: Path) -> tuple[subprocess.Popen, str]:
     args = [*([o.model] if o.model else []), "--host", "127.0.0.1", "--max-batch", str(o.max_batch),
-            "--max-body-bytes", str(o.max_body_bytes), "--log-level", "warning",
+            "--max-body-bytes", str(o.max_body_bytes), "--log-level", "warning", "--engine", o.engine,
             *(["--backend", o.backend] if o.backend else [])]
     return server.start_server(*args, timeout=300, log=log_path,
                                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
@@ -576,6 +578,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=d.clients)
     ap.add_argument("--model", default=None)
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--engine", default=d.engine, choices=["process", "thread"],
+                    help="the server's --engine: the engine in its own process, or on a thread of the server's")
     ap.add_argument("--max-batch", type=int, default=d.max_batch)
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
     ap.add_argument("--max-requests", type=int, default=d.max_requests)

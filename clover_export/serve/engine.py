@@ -1,4 +1,5 @@
 """One batch-loop thread per process: it owns the Generator and steps it while there is work (SERVING.md 3, 5).
+`clover-export serve` runs it in a process of its own, behind engine_process.py's ProcessEngine.
 
 HTTP handlers never touch the Generator: they hand a `Job` to the engine
 and read its events from an asyncio queue. Submissions, cancellations and
