@@ -78,6 +78,15 @@ def post_events(aloop: asyncio.AbstractEventLoop, events: list[tuple[Job, Event]
         pass
 
 
+def post_by_loop(events: list[tuple[Job, Event]]) -> None:
+    """Hand events over: one call_soon_threadsafe per event loop, each job's events in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+    for job, event in events:
+        by_loop.setdefault(job.aloop, []).append((job, event))
+    for aloop, batch in by_loop.items():
+        post_events(aloop, batch)
+
+
 def _put_events(events: list[tuple[Job, Event]]) -> None:
     for job, event in events:
         job.events.put_nowait(event)
@@ -376,13 +385,9 @@ class Engine:
         self._outbox.append((job, Event(kind, value)))
 
     def _flush(self) -> None:
-        """Hand this pass's events over: one call_soon_threadsafe per event loop, each job's in order."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
-        for job, event in self._outbox:
-            by_loop.setdefault(job.aloop, []).append((job, event))
-        self._outbox = []
-        for aloop, events in by_loop.items():
-            post_events(aloop, events)
+        """Hand this pass's events over (`post_by_loop`)."""
+        events, self._outbox = self._outbox, []
+        post_by_loop(events)
 
     def _die(self, e: BaseException) -> None:
         """The batch-loop thread stops: every request ends with a 503 now; /health and the process say so."""

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from clover_export.core.errors import CloverError
-from clover_export.serve.engine import Engine, Event, Full, Job, check_admission, post_events, short, shutting_down
+from clover_export.serve.engine import Engine, Event, Full, Job, check_admission, post_by_loop, short, shutting_down
 
 log = logging.getLogger("clover_export.serve")
 FIGURES_S = 0.5  # how often the child reads its load, prefix-cache and heap figures (sent when they change)
@@ -256,11 +256,7 @@ class ProcessEngine:
                     self._live.discard(job)
                     job.released = True
                 out.append((job, Event(kind, value)))
-        by_loop: dict[Any, list[tuple[Job, Event]]] = {}
-        for job, event in out:
-            by_loop.setdefault(job.aloop, []).append((job, event))
-        for aloop, batch in by_loop.items():
-            post_events(aloop, batch)
+        post_by_loop(out)
 
     def _end(self, why: str | None) -> None:
         """The child has ended: every request still open ends with a 503."""
@@ -297,8 +293,8 @@ class _Outbox:
     """The child's stand-in for the HTTP side's event loop: `Engine._flush` hands it a pass's events, which go
     to the parent as one message; `Engine.metrics.step` sends the step's figures."""
 
-    def __init__(self, conn, ids: dict[Job, int]):
-        self.conn, self.ids, self.lock = conn, ids, threading.Lock()
+    def __init__(self, conn, jobs: dict[int, Job]):
+        self.conn, self.jobs, self.lock = conn, jobs, threading.Lock()  # jobs: by pipe id, until their final event
         self.load = lambda: (0, 0)  # the engine's (running, waiting), sent with each pass's events
 
     def send(self, message: tuple) -> None:
@@ -311,8 +307,8 @@ class _Outbox:
     def call_soon_threadsafe(self, _put, events: list[tuple[Job, Event]]) -> None:
         out = []
         for job, ev in events:
-            pipe_id = self.ids.pop(job, None) if ev.kind in ("done", "error") else self.ids.get(job)
-            if pipe_id is None:
+            final = ev.kind in ("done", "error")
+            if (self.jobs.pop if final else self.jobs.get)(job.pipe_id, None) is None:  # its final event went
                 continue
             value = ev.value
             if ev.kind == "done":
@@ -321,7 +317,7 @@ class _Outbox:
                                               getattr(req, "drafted_tokens", 0), getattr(req, "accepted_tokens", 0)))
             elif ev.kind == "error":
                 value = picklable(value)
-            out.append((pipe_id, ev.kind, value))
+            out.append((job.pipe_id, ev.kind, value))
         if out:
             self.send(("events", out, self.load()))
 
@@ -350,9 +346,8 @@ def child_main(fd: int) -> None:
     except (EOFError, OSError):
         return
     _log_to_stderr(log_level, log_format)
-    ids: dict[Job, int] = {}
     jobs: dict[int, Job] = {}
-    outbox = _Outbox(conn, ids)
+    outbox = _Outbox(conn, jobs)
     engine = Engine(options.load_generator, max_pending=sys.maxsize, metrics=outbox)
     outbox.load = engine.load_figures
     engine.start()
@@ -377,7 +372,7 @@ def child_main(fd: int) -> None:
         while not engine.stopped.is_set():
             if conn.poll(FIGURES_S):
                 message = conn.recv()
-                if _take(message, engine, outbox, ids, jobs):
+                if _take(message, engine, outbox, jobs):
                     break
             if time.monotonic() >= next_figures:
                 next_figures = time.monotonic() + FIGURES_S
@@ -391,13 +386,13 @@ def child_main(fd: int) -> None:
     outbox.send(("ended", engine.died))
 
 
-def _take(message: tuple, engine: Engine, outbox: _Outbox, ids: dict[Job, int], jobs: dict[int, Job]) -> bool:
+def _take(message: tuple, engine: Engine, outbox: _Outbox, jobs: dict[int, Job]) -> bool:
     """One message from the parent; True when it says stop."""
     kind = message[0]
     if kind == "submit":
         _, pipe_id, kwargs, name = message
         job = Job(kwargs, outbox, name=name)
-        ids[job], jobs[pipe_id] = pipe_id, job
+        job.pipe_id, jobs[pipe_id] = pipe_id, job
         try:
             grammar = kwargs.get("grammar")
             if isinstance(grammar, GrammarSpec):  # compiled again for this process's vocabulary (cached per spec)
@@ -408,10 +403,10 @@ def _take(message: tuple, engine: Engine, outbox: _Outbox, ids: dict[Job, int], 
         except Exception as e:  # noqa: BLE001 - this request alone fails (a Full is the parent's 503)
             outbox.call_soon_threadsafe(None, [(job, Event("error", e))])
     elif kind == "cancel":
-        job = jobs.pop(message[1], None)
+        job = jobs.get(message[1])
         if job is not None:
             engine.cancel(job)
-            if job.handle is None and job.released and job in ids:  # taken off the queue: no event follows
+            if job.handle is None and job.released and job.pipe_id in jobs:  # taken off the queue: no event follows
                 outbox.call_soon_threadsafe(None, [(job, Event("error", CloverError("serve", "cancelled")))])
     elif kind == "drain":
         engine.drain()
@@ -420,9 +415,6 @@ def _take(message: tuple, engine: Engine, outbox: _Outbox, ids: dict[Job, int], 
     elif kind == "stop":
         engine.stop()
         return True
-    # a final event has been sent for some: forget them
-    for pipe_id in [i for i, j in jobs.items() if j not in ids]:
-        del jobs[pipe_id]
     return False
 
 
