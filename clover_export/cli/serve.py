@@ -72,7 +72,7 @@ from clover_export.serve.engine import ENGINES, shutting_down
                    "hermes (JSON in <tool_call>), or auto: the format the chat template writes calls in.")
 @click.option("--engine", "engine", type=click.Choice(ENGINES), default="process", show_default=True,
               help="Where the engine runs: its own process (the HTTP side does not slow its steps: they share no "
-                   "GIL), or a thread of the server's process (one process; what Ray replicas run).")
+                   "GIL), or a thread of the server's process (one process). With --replicas, each replica's.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 def serve(model, host, port, max_batch, max_queue, served_model_name, replicas, max_body_bytes,
           request_timeout, drain_timeout, runtime, log_level, api_key, protect_metrics,
@@ -105,7 +105,7 @@ def serve(model, host, port, max_batch, max_queue, served_model_name, replicas, 
                         api_key=api_key, protect_metrics=protect_metrics,
                         allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                         max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
-                        tool_call_parser=tool_call_parser, engine=engine if replicas is None else "thread",
+                        tool_call_parser=tool_call_parser, engine=engine,
                         connections=ConnectionLimits(max_header_bytes=max_header_bytes, max_headers=max_headers,
                                                      header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                                      max_connections=max_connections))

@@ -75,7 +75,7 @@ def deployment(opts: ServeOptions, replicas: int | None = None, num_gpus: float 
 
 
 def check_engine(app) -> None:
-    """Raise when the replica's engine can no longer serve: it failed to load, or its thread stopped (a fault
+    """Raise when the replica's engine can no longer serve: it failed to load, or it stopped (a fault
     no request could be blamed for, serve/engine.py; or a shutdown). Before the app's lifespan has started
     an engine there is nothing to judge."""
     engine = getattr(app.state, "engine", None)

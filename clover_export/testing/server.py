@@ -62,3 +62,50 @@ def stop_server(proc: subprocess.Popen, log: Path | None = None) -> str:
             proc.kill()
     proc.wait()
     return server_output(proc, log)
+
+
+# --- the server's processes, from /proc (Linux) ------------------------------------------------------------
+ENGINE_MODULE = "clover_export.serve.engine_process"  # what `serve --engine process` runs as its engine
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids below `pid`, from each process's parent id in /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def engine_processes(pid: int) -> list[int]:
+    """The engine processes anywhere below process `pid` (a server's own, or its Ray replicas')."""
+    out = []
+    for p in descendants(pid):
+        try:
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        if ENGINE_MODULE.encode() in argv:
+            out.append(p)
+    return out
+
+
+def gone(pid: int, timeout: float) -> bool:
+    """Whether process `pid` has exited (or is a zombie, exited and not yet reaped) within `timeout` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.1)
+    return False

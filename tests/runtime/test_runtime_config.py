@@ -7,6 +7,7 @@ there: what is checked is what each door asks for."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -133,6 +134,23 @@ def test_ray_serve_arguments_fill_the_same_configuration():
     opts = seen[0]
     assert (opts.model, opts.max_queue, opts.served_model_name) == ("/m", 64, "clover")
     assert opts.runtime == RuntimeConfig(backend="trt", max_slots=16, threads=2)
+
+
+def test_the_shipped_ray_serve_config_is_accepted_and_runs_each_engine_in_its_own_process(monkeypatch):
+    pytest.importorskip("ray.serve")
+    import yaml
+
+    from clover_export.serve import ray_app
+
+    seen = []
+    monkeypatch.setattr(ray_app, "deployment", lambda opts, *rest: seen.append((opts, rest)))
+    config = yaml.safe_load((Path(ray_app.__file__).parent / "ray_serve.yaml").read_text())
+    (application,) = config["applications"]
+    ray_app.app_builder(application["args"])
+    (opts, (replicas, gpus)), = seen
+    assert (opts.model, opts.engine, opts.runtime.backend, opts.runtime.max_slots) == ("/models/clover", "process",
+                                                                                       "trt", 16)
+    assert gpus == application["deployments"][0]["ray_actor_options"]["num_gpus"]
 
 
 def test_the_docs_list_every_field_and_each_backends_own():

@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,7 +22,7 @@ from clover_export.core.errors import CloverError
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.engine_process import ProcessEngine
-from clover_export.testing.server import start_server
+from clover_export.testing.server import engine_processes, gone, start_server
 
 MODEL_ID = "clover-tiny"
 GOOD = [("The answer is", 12), ("What is 2 + 3?", 40), ("12*12=", 12)]
@@ -168,35 +167,10 @@ def test_a_full_queue_is_refused_here_and_a_cancelled_stream_frees_its_place(ser
     assert r.status_code == 200
 
 
-def engine_child(pid: int) -> int:
-    """The engine process below server `pid`."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):
-            continue
-        if ppid == pid:
-            return int(stat.parent.name)
-    raise AssertionError(f"no engine process below {pid}")
-
-
-def gone(pid: int, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True  # a zombie: exited, not yet reaped
-        except (ProcessLookupError, FileNotFoundError):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_killed_engine_process_ends_every_request_with_503_and_the_server_exits_1():
     proc, url = start_server("--log-level", "warning")
     try:
-        child = engine_child(proc.pid)
+        (child,) = engine_processes(proc.pid)
         body = {"prompt": "Please sort the list 3 1 2 4 9", "max_tokens": 1000, "stream": True, "threshold": 1.0,
                 "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -218,7 +192,7 @@ def test_a_killed_engine_process_ends_every_request_with_503_and_the_server_exit
 def test_the_engine_process_does_not_outlive_a_killed_server():
     proc, _ = start_server("--log-level", "warning")
     try:
-        child = engine_child(proc.pid)
+        (child,) = engine_processes(proc.pid)
         proc.kill()
         proc.wait(30)
         assert gone(child, 30)  # its end of the pipe closed: it stops on its own

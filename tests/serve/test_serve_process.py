@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from clover_export.cli import main
-from clover_export.testing.server import free_port, start_server
+from clover_export.testing.server import engine_processes, free_port, gone, start_server
 
 
 def stream_events(url, body, accepted: threading.Event, out: list):
@@ -145,10 +145,13 @@ def test_ray_serve_two_cpu_replicas_give_the_same_answers(tiny_dir):
         assert chat.choices[0].message.content == ref.generate("Hi", max_new_tokens=8, enable_thinking=False).content
         bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "n": 9})  # n is 1 to 8
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+        engines = engine_processes(proc.pid)  # each replica's engine runs in a process of its own
+        assert len(engines) == 2, engines
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(120)
         out = proc.communicate()[0]
         assert rc == 0 and "SIGTERM received" not in out, (rc, out[-4000:])  # not Ray's crash handler's dump
+        assert all(gone(pid, 30) for pid in engines)  # none outlives the server
     finally:
         if proc.poll() is None:
             proc.kill()
