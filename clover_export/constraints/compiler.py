@@ -18,12 +18,14 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
-from clover_export.constraints.matcher import Matcher
 from clover_export.constraints.specs import GrammarError, Source, grammar_source, spec_field
 from clover_export.constraints.vocab import GrammarVocab, engine
+
+if TYPE_CHECKING:
+    from clover_export.constraints.matcher import Matcher
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class Grammar:
         self.vocab, self.source, self.spec = vocab, source, spec
 
     def matcher(self) -> Matcher:
+        from clover_export.constraints.matcher import Matcher  # torch: only where masks are made
+
         with self._lock:  # the engine's objects are not shared between threads
             return Matcher(self._prototype.deep_copy(), self.vocab)
 

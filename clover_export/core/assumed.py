@@ -7,10 +7,13 @@ them; adapting to the official checkpoint is a change to this file alone.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
-from clover_export.core.sorting import stable_argsort_desc, stable_topk
+if TYPE_CHECKING:
+    import torch
+
+# The math below imports torch where it runs, not here: the config's [assumed] defaults above are read by
+# processes that load no model (the server's HTTP side, serve/engine_process.py), which import no torch.
 
 # --- Config fields (MODEL.md 5.1), with their defaults -----------------------
 LOGITS_SHIFT_DEFAULT = False  # block position i is predicted by the logits at i
@@ -32,6 +35,8 @@ def anticausal_conv(m: torch.Tensor, w_right: torch.Tensor) -> torch.Tensor:
 
     m: [B, N, C] pre-conv rows of the block; w_right: [C, K]. Returns [B, N, C].
     """
+    import torch.nn.functional as F
+
     K = w_right.shape[-1]
     padded = F.pad(m.transpose(1, 2), (0, K - 1))  # [B, C, N + K - 1]
     return F.conv1d(padded, w_right.unsqueeze(1), groups=w_right.shape[0]).transpose(1, 2)
@@ -42,6 +47,8 @@ def block_conv_taps(w: torch.Tensor, w_right: torch.Tensor) -> torch.Tensor:
     over [state, block rows, K-1 zero rows]: w's first K-1 taps, then w's last plus w_right's first (both
     multiply the row itself), then w_right's others. The eager runtime's form: one conv in place of two and
     a sum, equal up to rounding."""
+    import torch
+
     K = w.shape[-1]
     return torch.cat([w[:, :K - 1], w[:, K - 1:] + w_right[:, :1], w_right[:, 1:]], dim=1)
 
@@ -60,6 +67,8 @@ def block_mixer(
 
     Returns o [B, N, Hv, dv] in fp32, before the gated norm.
     """
+    import torch
+
     dk = q.shape[-1]
     G = torch.cumsum(g, dim=1)  # [B, N, Hv], inclusive
     decay = torch.exp(G).unsqueeze(-1)  # [B, N, Hv, 1]
@@ -99,6 +108,10 @@ def coreset_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     - top_p >= 1 also keeps every expert with A_e > 0: fp32 sums absorb tiny
       masses, and with top_p = 1 routing must equal plain top-k.
     """
+    import torch
+
+    from clover_export.core.sorting import stable_argsort_desc, stable_topk
+
     B, N, E = probs.shape
     top_vals, top_idx = stable_topk(probs, top_k)
     agg = torch.zeros(B, E, dtype=torch.float32, device=probs.device)
@@ -119,5 +132,6 @@ def fp32_running_sum(x: torch.Tensor) -> torch.Tensor:
     """c_r = fl32(c_{r-1} + x_r) along the last dim (fp32 x). torch.cumsum accumulates in double on the CPU
     and by a parallel scan on CUDA; numpy's `add.accumulate` adds one element at a time in the array's dtype."""
     import numpy as np
+    import torch
 
     return torch.from_numpy(np.add.accumulate(x.detach().float().cpu().numpy(), axis=-1)).to(x.device)

@@ -9,6 +9,8 @@ Layout (nano-vllm's split):
   (`step_io.py`: the one upload and read-back); `state_mover.py`: every copy of the cache pools.
 - `backends/`: `torch` (reference model), `ort` (exported artifact),
   `trt` (TensorRT engine), one `step` contract.
+- `frontend.py`: a request's checks and tokens against the model's config, tokenizer and defaults
+  (no torch: a server's HTTP process uses it alone);
 - `loop.py`: joins scheduler and runner; `generator.py`: the Python API;
   `tokenizer.py`: tokenizer + sandboxed chat template; `golden.py`:
   golden files; `cli.py`: `generate` and `compare`.
@@ -22,7 +24,7 @@ from __future__ import annotations
 _EXPORTS = {
     "Generator": "clover_export.runtime.generator",
     "Stream": "clover_export.runtime.generator",
-    "context_needed": "clover_export.runtime.generator",
+    "context_needed": "clover_export.runtime.frontend",
     "Result": "clover_export.runtime.output",
     "StreamChunk": "clover_export.runtime.output",
 }

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from clover_export.core.errors import CloverError
 from clover_export.runtime import decoding as modes
+from clover_export.runtime.frontend import context_needed
 from clover_export.serve import tool_calls
 from clover_export.serve.protocol import (
     BODY_PARAMETERS,
@@ -275,8 +276,6 @@ def prepare(gen, sub: Submission) -> dict[str, Any]:
                                  enable_thinking=settings.enable_thinking)
     except CloverError as e:
         raise ApiError(400, f"{sub.prompt_field}: {e.message}", param=sub.prompt_field) from None
-    from clover_export.runtime.generator import context_needed  # torch: imported once an engine exists
-
     need = context_needed(len(ids), settings.max_new_tokens, gen.block_size, gen.cfg.block_alignment)
     if need > gen.max_context:
         raise _too_long(gen, sub, len(ids), settings.max_new_tokens, need)

@@ -70,7 +70,7 @@ class RequestRecord:
 class ProcessEngine:
     """`Engine`'s interface for the HTTP side, with the Engine itself in a child process.
 
-    `gen` is a `runtime.generator.Frontend` once the child has loaded the model. Admission (`max_pending`,
+    `gen` is a `runtime.frontend.Frontend` once the child has loaded the model. Admission (`max_pending`,
     loading, draining, stopped) is decided here, at once, as the in-process engine decides it.
     """
 
@@ -208,7 +208,7 @@ class ProcessEngine:
                 elif kind == "figures":
                     self._figures = message[1]
                 elif kind == "ready":
-                    from clover_export.runtime.generator import Frontend
+                    from clover_export.runtime.frontend import Frontend
 
                     try:
                         self.gen = Frontend(*message[1:])

@@ -144,3 +144,19 @@ def test_the_design_card_s_names_in_the_architecture_page_are_packages():
     named = set(re.findall(r"`(\w+)/`", section)) - {"clover_export"}
     assert {"exporter", "plugins", "runtime", "engines"} <= named
     assert sorted(n for n in named if not (ROOT / n / "__init__.py").is_file()) == []
+
+
+TORCH_FREE = ("clover_export.serve.app", "clover_export.serve.engine_process", "clover_export.runtime.frontend",
+              "clover_export.constraints", "clover_export.core.config")
+
+
+def test_what_a_servers_http_process_imports_needs_no_torch():
+    """The HTTP process of `serve --engine process` loads no model; these modules (its imports at start and on
+    each request) import without torch. tests/serve/test_serve_engine_process.py checks the running server."""
+    import subprocess
+    import sys
+
+    code = f"import sys\nfor m in {TORCH_FREE!r}: __import__(m)\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -22,7 +23,7 @@ from clover_export.core.errors import CloverError
 from clover_export.runtime.config import RuntimeConfig
 from clover_export.serve.app import ServeOptions, build_app
 from clover_export.serve.engine_process import ProcessEngine
-from clover_export.testing.server import engine_processes, gone, start_server
+from clover_export.testing.server import engine_processes, gone, start_server, stop_server
 
 MODEL_ID = "clover-tiny"
 GOOD = [("The answer is", 12), ("What is 2 + 3?", 40), ("12*12=", 12)]
@@ -200,3 +201,44 @@ def test_the_engine_process_does_not_outlive_a_killed_server():
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+def has_torch(pid: int) -> bool:
+    """Whether process `pid` has torch's library mapped (it does once anything imported torch)."""
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+EVERY_DOOR = [  # (path, body): what each door and feature does in the HTTP process
+    ("/v1/completions", {"prompt": "The answer is", "max_tokens": 4, "logprobs": 2, "echo": True}),
+    ("/v1/completions", {"prompt": "12*12=", "max_tokens": 4, "stream": True, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 30,
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "a",
+                                                                                         "schema": SCHEMA}},
+                              "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Add 2 and 3"}], "max_tokens": 40,
+                              "tools": [TOOL], "tool_choice": "required"}),
+    ("/v1/messages", {"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/messages/count_tokens", {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/responses", {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 4}),
+    ("/tokenize", {"prompt": "Hi"}),
+    ("/detokenize", {"tokens": [1, 2]}),
+]
+
+
+def test_the_http_process_imports_no_torch_through_any_door():
+    """The HTTP process checks, tokenizes and compiles grammars without torch (runtime/frontend.py); the model
+    and torch live in the engine process alone."""
+    proc, url = start_server("--log-level", "warning")
+    try:
+        for path, body in EVERY_DOOR:
+            r = httpx.post(url + path, json={"model": MODEL_ID, **body}, timeout=120)
+            assert r.status_code == 200, (path, r.text[:300])
+        for path in ("/v1/models", "/metrics", "/health"):
+            assert httpx.get(url + path, timeout=30).status_code == 200
+        (engine,) = engine_processes(proc.pid)
+        assert has_torch(engine)  # the probe sees torch where it is
+        assert not has_torch(proc.pid)
+    finally:
+        stop_server(proc)
