@@ -175,6 +175,8 @@ def peer_subprocess(kind: str, python: str, job: dict, timeout: float) -> dict:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"{kind}: no answer within {timeout:.0f} s"}
+    except OSError as e:  # no such Python, or not executable
+        return {"error": f"{kind}: cannot run {python}: {e.strerror}"}
     finally:
         os.unlink(f.name)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PEER ")]

@@ -81,3 +81,8 @@ def test_a_dead_peer_engine_reports_the_engines_own_error(peers, tmp_path):
     fake.write_text(f"#!{sys.executable}\nprint('PEER {{\"1\": {{\"tokens\": [[1]], \"seconds\": 1.0}}}}')\n")
     assert peers.peer_subprocess("vllm", str(fake), dict(threads=1), timeout=60) == {"1": {"tokens": [[1]],
                                                                                          "seconds": 1.0}}
+
+
+def test_a_peer_python_that_does_not_exist_is_one_line(peers, tmp_path):
+    answer = peers.peer_subprocess("llama.cpp", str(tmp_path / "nope"), dict(threads=1), timeout=60)
+    assert answer == {"error": f"llama.cpp: cannot run {tmp_path / 'nope'}: No such file or directory"}
