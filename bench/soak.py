@@ -57,6 +57,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from clover_export.serve.engine import ENGINES
 from clover_export.testing import server
 
 MODES = ("low_confidence", "ar", "self_spec")
@@ -561,7 +562,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=d.clients)
     ap.add_argument("--model", default=None)
     ap.add_argument("--backend", default=None)
-    ap.add_argument("--engine", default=d.engine, choices=["process", "thread"],
+    ap.add_argument("--engine", default=d.engine, choices=ENGINES,
                     help="the server's --engine: the engine in its own process, or on a thread of the server's")
     ap.add_argument("--max-batch", type=int, default=d.max_batch)
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens)

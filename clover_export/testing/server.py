@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from clover_export.serve import engine_process
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -65,7 +67,9 @@ def stop_server(proc: subprocess.Popen, log: Path | None = None) -> str:
 
 
 # --- the server's processes, from /proc (Linux) ------------------------------------------------------------
-ENGINE_MODULE = "clover_export.serve.engine_process"  # what `serve --engine process` runs as its engine
+def _stat(path: Path) -> list[str]:
+    """A /proc/<pid>/stat file's fields after "pid (comm)": state, ppid, ..."""
+    return path.read_text().rsplit(")", 1)[1].split()
 
 
 def descendants(pid: int) -> list[int]:
@@ -73,10 +77,10 @@ def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            ppid = int(_stat(stat)[1])
         except (OSError, IndexError):
             continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        children.setdefault(ppid, []).append(int(stat.parent.name))
     out, todo = [], [pid]
     while todo:
         kids = children.get(todo.pop(), [])
@@ -86,14 +90,16 @@ def descendants(pid: int) -> list[int]:
 
 
 def engine_processes(pid: int) -> list[int]:
-    """The engine processes anywhere below process `pid` (a server's own, or its Ray replicas')."""
+    """The engine processes (`python -m` serve/engine_process.py) anywhere below process `pid`: a server's own,
+    or its Ray replicas'."""
+    module = engine_process.__name__.encode()
     out = []
     for p in descendants(pid):
         try:
             argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
         except OSError:  # ended meanwhile
             continue
-        if ENGINE_MODULE.encode() in argv:
+        if module in argv:
             out.append(p)
     return out
 
@@ -103,9 +109,9 @@ def gone(pid: int, timeout: float) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            if _stat(Path(f"/proc/{pid}/stat"))[0] == "Z":
                 return True
-        except (FileNotFoundError, ProcessLookupError):
+        except (FileNotFoundError, ProcessLookupError):  # gone, or going as we read
             return True
         time.sleep(0.1)
     return False

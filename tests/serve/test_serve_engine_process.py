@@ -210,7 +210,7 @@ def has_torch(pid: int) -> bool:
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
-EVERY_DOOR = [  # (path, body): what each door and feature does in the HTTP process
+EVERY_DOOR = [  # (path, body; the model is added): what each door and feature does in the HTTP process
     ("/v1/completions", {"prompt": "The answer is", "max_tokens": 4, "logprobs": 2, "echo": True}),
     ("/v1/completions", {"prompt": "12*12=", "max_tokens": 4, "stream": True, "n": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 30,
@@ -219,9 +219,9 @@ EVERY_DOOR = [  # (path, body): what each door and feature does in the HTTP proc
                               "logprobs": True, "top_logprobs": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Add 2 and 3"}], "max_tokens": 40,
                               "tools": [TOOL], "tool_choice": "required"}),
-    ("/v1/messages", {"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
-    ("/v1/messages/count_tokens", {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}]}),
-    ("/v1/responses", {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 4}),
+    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
     ("/tokenize", {"prompt": "Hi"}),
     ("/detokenize", {"tokens": [1, 2]}),
 ]
